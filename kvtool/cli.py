@@ -1,0 +1,72 @@
+"""The `kvtool` command line: registers the subcommands and maps errors to one line and an exit code."""
+
+import os
+import sys
+
+import typer
+
+from kvtool.commands.generate import generate
+from kvtool.engine.errors import KVToolError
+
+app = typer.Typer(
+    name="kvtool",
+    help="An LLM inference engine and toolkit for KV offload and external KV caches.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Create model directories.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+app.command("generate")(generate)
+
+
+def _register_optional() -> None:
+    """Subcommands whose modules exist in this build."""
+    import importlib
+
+    for module, attr, name, target in (
+        ("kvtool.commands.model", "model_create", "create", model_app),
+        ("kvtool.commands.serve", "serve", "serve", app),
+        ("kvtool.commands.inspect", "inspect", "inspect", app),
+        ("kvtool.commands.verify_keys", "verify_keys", "verify-keys", app),
+        ("kvtool.commands.replay", "replay_app", "replay", None),
+        ("kvtool.commands.bench", "bench_app", "bench", None),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            if e.name != module:
+                raise
+            continue
+        obj = getattr(mod, attr, None)
+        if obj is None:
+            continue
+        if target is None:
+            app.add_typer(obj, name=name)
+        else:
+            target.command(name)(obj)
+
+
+_register_optional()
+
+
+def main() -> None:
+    try:
+        app()
+    except KVToolError as e:
+        if os.environ.get("KVTOOL_DEBUG") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the one place unknown errors become one line
+        if os.environ.get("KVTOOL_DEBUG") == "1":
+            raise
+        print(f"internal error: {type(e).__name__}: {e} (set KVTOOL_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

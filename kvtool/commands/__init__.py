@@ -1,0 +1,1 @@
+"""One module per subcommand: parse flags, call the engine, render a table or print JSON."""

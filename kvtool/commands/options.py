@@ -1,0 +1,97 @@
+"""Options shared by the commands, named as vLLM names them, as Annotated aliases.
+
+`with_engine_options` adds the engine flags to a command and hands it one EngineParams.
+"""
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.engine.connectors.config import parse_human_int, parse_kv_transfer_config
+from kvtool.engine.params import EngineParams
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", help="Model directory (Hugging Face format). Default: the embedded SmolLM2-135M-Instruct."),
+]
+KVTransferConfigOpt = Annotated[
+    Optional[str],
+    typer.Option("--kv-transfer-config", help="vLLM's KVTransferConfig JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\"}'."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of a table.")]
+
+_ENGINE_OPTIONS: list[tuple[str, object, object]] = [
+    ("model", None, ModelOpt),
+    ("kv_transfer_config", None, KVTransferConfigOpt),
+    ("load_format", "auto", Annotated[str, typer.Option("--load-format", help="auto (safetensors) or dummy (random weights from config.json).")]),
+    ("device", "auto", Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]),
+    ("dtype", "auto", Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")]),
+    ("seed", 0, Annotated[int, typer.Option("--seed", help="Seed for dummy weights and unseeded sampling.")]),
+    ("max_model_len", None, Annotated[Optional[int], typer.Option("--max-model-len", help="Context length (default: the model's).")]),
+    ("block_size", 16, Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]),
+    ("num_gpu_blocks", None, Annotated[Optional[int], typer.Option("--num-gpu-blocks", help="Exact number of KV blocks.")]),
+    ("gpu_memory_utilization", 0.9, Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of device memory for weights + KV (CUDA).")]),
+    ("kv_cache_memory", "2G", Annotated[str, typer.Option("--kv-cache-memory", help="Bytes of KV pages on CPU (suffixes: 512M, 2G).")]),
+    ("enable_prefix_caching", True, Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV of shared prompt prefixes.")]),
+    ("max_num_batched_tokens", 2048, Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one engine step (chunked prefill).")]),
+    ("max_num_seqs", 256, Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]),
+]
+ENGINE_OPTION_NAMES = [name for name, _, _ in _ENGINE_OPTIONS]
+
+
+def build_engine_params(**opts) -> EngineParams:
+    """EngineParams from the raw flag values; raises ConfigError / InputError on bad values."""
+    from kvtool.engine.errors import ConfigError
+
+    for name, choices in (
+        ("load_format", ("auto", "dummy")),
+        ("device", ("auto", "cpu", "cuda")),
+        ("dtype", ("auto", "float32", "bfloat16", "float16")),
+    ):
+        if opts[name] not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {opts[name]!r}")
+    model = opts["model"]
+    if model is not None and not Path(model).exists():
+        from kvtool.engine.errors import ModelError
+
+        raise ModelError(f"model directory not found: {model}")
+    return EngineParams(
+        model=model,
+        load_format=opts["load_format"],
+        device=opts["device"],
+        dtype=opts["dtype"],
+        seed=opts["seed"],
+        max_model_len=opts["max_model_len"],
+        block_size=opts["block_size"],
+        num_gpu_blocks=opts["num_gpu_blocks"],
+        gpu_memory_utilization=opts["gpu_memory_utilization"],
+        kv_cache_memory=parse_human_int(opts["kv_cache_memory"]),
+        enable_prefix_caching=opts["enable_prefix_caching"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_num_seqs=opts["max_num_seqs"],
+        kv_transfer_config=parse_kv_transfer_config(opts["kv_transfer_config"]),
+    )
+
+
+def with_engine_options(fn):
+    """Give a command every engine flag; it receives them as one `engine: EngineParams` argument."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "engine"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+        for name, default, annotation in _ENGINE_OPTIONS
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        opts = {name: kwargs.pop(name) for name in ENGINE_OPTION_NAMES}
+        kwargs["engine"] = build_engine_params(**opts)
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + added)
+    del wrapper.__wrapped__  # typer must read the new signature, not the wrapped one
+    return wrapper

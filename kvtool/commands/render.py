@@ -1,0 +1,47 @@
+"""The one output sink: a rich table (or text) on stdout, or exactly one JSON document.
+
+Progress bars, hints and warnings go to stderr, and progress is off under --json.
+"""
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def print_json(obj) -> None:
+    """Exactly one JSON document on stdout."""
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")
+    sys.stdout.flush()
+
+
+def info(message: str) -> None:
+    stderr.print(message, highlight=False)
+
+
+def warn(message: str) -> None:
+    stderr.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, enabled: bool = True) -> Iterator:
+    """Yields a callback(stage: str, fraction: float) drawing a bar on stderr (no-op when disabled)."""
+    if not enabled:
+        yield lambda stage, fraction: None
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+        console=stderr, transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=1.0)
+
+        def update(stage: str, fraction: float) -> None:
+            bar.update(task, completed=fraction, description=f"{description}: {stage}" if stage else description)
+
+        yield update

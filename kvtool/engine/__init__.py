@@ -1,0 +1,1 @@
+"""The engine: everything that runs a model. No CLI, no HTTP, no printing."""

@@ -1,0 +1,206 @@
+"""The connector API, mirroring vLLM's KVConnectorBase_V1: a scheduler half and a worker half.
+
+The halves share no state. They talk only through the per-step metadata the scheduler half
+builds (scheduler -> worker) and the `KVConnectorOutput` the worker half returns (worker ->
+scheduler), so a worker half could live in another process.
+
+Call order in one engine step, as vLLM calls them:
+
+  scheduler  get_num_new_matched_tokens(req, n)   per waiting request; may repeat; no side effects
+             update_state_after_alloc(req, ids, k) after blocks were allocated for it
+             build_connector_meta(sched_out)      once, at the end of schedule()
+  worker     bind_connector_metadata(meta)
+             start_load_kv()                      before the forward (loads are synchronous)
+             wait_for_layer_load(l) / save_kv_layer(l)   around each layer's attention
+             wait_for_save()                      after the forward
+             get_finished(finished_ids), get_block_ids_with_load_errors(), take_stats()
+             clear_connector_metadata()
+  scheduler  update_connector_output(out)         with the worker's output
+             request_finished(req, ids)           once per finished request, before its blocks are freed
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+import msgspec
+
+from kvtool.engine.connectors.config import KVTransferConfig
+from kvtool.engine.kv_pages import KVGeometry, KVPages
+
+if TYPE_CHECKING:
+    from kvtool.engine.outputs import SchedulerOutput
+    from kvtool.engine.request import Request
+
+
+class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What the running engine is: connectors stamp and check stored KV against it."""
+
+    model_name: str  # the --model string as given
+    architecture: str
+    config_digest: str
+    weights_digest: str
+    rope_digest: str
+    sliding_window: int
+    weight_quantization: str
+    kv_dtype: str
+    kv_quantization: str
+    geometry: KVGeometry
+    block_hash_algo: str  # the engine's prefix-cache hash ("sha256_cbor")
+    none_hash_seed: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    engine_id: str = ""
+    device_type: str = "cpu"
+
+
+class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a connector half is built from."""
+
+    config: KVTransferConfig
+    identity: EngineIdentity
+    none_hash: bytes
+
+
+class KVConnectorMetadata(msgspec.Struct, kw_only=True):
+    """Scheduler -> worker payload of one step. Each connector subclasses it."""
+
+
+class TransferStats(msgspec.Struct, kw_only=True):
+    """Worker -> scheduler counters for one step (summed into engine totals)."""
+
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
+    load_failures: int = 0
+    # Per request: tokens actually loaded into / stored out of the pages this step.
+    tokens_loaded: dict[str, int] = {}
+    tokens_stored: dict[str, int] = {}
+
+
+class KVConnectorOutput(msgspec.Struct, kw_only=True):
+    """What the worker half reports after a step."""
+
+    finished_sending: set[str] = set()
+    finished_recving: set[str] = set()
+    # Blocks whose external KV failed to load (missing, torn, refused); the scheduler applies the policy.
+    invalid_block_ids: set[int] = set()
+    # Reasons by block id, for the error message under the `fail` policy.
+    invalid_reasons: dict[int, str] = {}
+    stats: TransferStats = msgspec.field(default_factory=TransferStats)
+
+
+class SchedulerHalf(abc.ABC):
+    """Decides what can be loaded and what should be stored. Never touches a tensor."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` (the block-aligned local hit) that can be loaded.
+
+        Called for each waiting request the scheduler tries to admit, possibly several times:
+        must have no side effects. Returns (count, load_async); count None means "ask again later".
+        kvtool loads synchronously, so load_async is always False. Only a prefix that is really
+        available may be counted; a consumer-less role (kv_producer) always returns 0.
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Called once blocks were allocated for an admitted request; decide the load from num_external_tokens."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Called once at the end of every schedule(); must not modify scheduler_output.
+
+        Resets the per-step state of this half.
+        """
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Called every step with the worker half's output."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Called once when a request finishes, before its blocks are freed.
+
+        Returns (keep_blocks, kv_transfer_params): True keeps the blocks alive until the worker
+        reports the request in finished_sending.
+        """
+        return False, None
+
+    def shutdown(self) -> None:
+        """Release resources; called once when the engine closes."""
+
+
+class WorkerHalf(abc.ABC):
+    """Moves bytes between the KV pages and the store, around each forward."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.kv_pages: KVPages | None = None
+        self._meta: KVConnectorMetadata | None = None
+
+    def register_kv_caches(self, kv_pages: KVPages) -> None:
+        """Called once, after the KV pages are allocated."""
+        self.kv_pages = kv_pages
+
+    def bind_connector_metadata(self, meta: KVConnectorMetadata) -> None:
+        self._meta = meta
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    @abc.abstractmethod
+    def start_load_kv(self) -> None:
+        """Load this step's external KV into the pages. Called before the forward."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Called before layer `layer` reads the pages (layerwise connectors wait here)."""
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Called after layer `layer` wrote its K/V for the step."""
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """Called once per step after the forward: store (or queue) newly completed blocks.
+
+        Whatever is copied must be taken from the pages before this returns, so the blocks can
+        be freed or reused in the next step.
+        """
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving) since the last call; synchronous connectors: (None, None)."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> dict[int, str]:
+        """Blocks whose load failed this step, with a reason each; reported once."""
+        return {}
+
+    def take_stats(self) -> TransferStats:
+        """Counters since the last call."""
+        return TransferStats()
+
+    def shutdown(self) -> None:
+        """Finish pending stores and release resources; called once when the engine closes."""
+
+
+class KVConnector:
+    """A registered connector: its two halves, and the device types its worker half can move bytes on."""
+
+    scheduler_half: ClassVar[type[SchedulerHalf]]
+    worker_half: ClassVar[type[WorkerHalf] | None] = None
+    worker_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    @classmethod
+    def worker_refusal(cls, device_type: str) -> str | None:
+        """Why the worker half cannot run on this device type, or None when it can."""
+        if cls.worker_half is None:
+            return "it has a scheduler half but no worker half"
+        if device_type not in cls.worker_devices:
+            return f"its worker half moves bytes only on {', '.join(cls.worker_devices)}"
+        return None

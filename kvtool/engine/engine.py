@@ -1,0 +1,365 @@
+"""The public engine: build from a model directory and EngineParams, add requests, step, generate."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtool import __version__
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, SchedulerHalf, WorkerHalf
+from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
+from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.hashing import make_none_hash, resolve_none_hash_seed
+from kvtool.engine.kv_pages import DTYPE_NAMES, DTYPES, KVGeometry, KVPages
+from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
+from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.request import Request, RequestStatus
+from kvtool.engine.runner import ModelRunner
+from kvtool.engine.scheduler import Scheduler
+
+# What a vLLM peer would be started with for the embedded default model.
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+Progress = Callable[[str, float], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_model_path(model: str | None, progress: Progress | None = None):
+    """The model directory: the one given, or the embedded default (converted once per user)."""
+    from pathlib import Path
+
+    if model is None:
+        from kvtool.engine.default_model import ensure_default_model
+
+        return ensure_default_model(progress=progress)
+    return Path(model)
+
+
+def _rope_digest(config) -> str:
+    doc = {"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_type: str, weights_digest: str) -> EngineIdentity:
+    """The identity stored KV is stamped with and checked against."""
+    from kvtool.engine.model_dir import config_digest
+
+    cfg = model_dir.config
+    kv_dtype = DTYPE_NAMES[dtype]
+    return EngineIdentity(
+        model_name=params.model if params.model is not None else DEFAULT_MODEL_NAME,
+        architecture=cfg.architecture,
+        config_digest=config_digest(cfg),
+        weights_digest=weights_digest,
+        rope_digest=_rope_digest(cfg),
+        sliding_window=cfg.sliding_window or 0,
+        weight_quantization="none",
+        kv_dtype=kv_dtype,
+        kv_quantization="none",
+        geometry=KVGeometry(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=params.block_size,
+            dtype=kv_dtype,
+        ),
+        block_hash_algo="sha256_cbor",
+        none_hash_seed=resolve_none_hash_seed(),
+        engine_id=params.kv_transfer_config.engine_id if params.kv_transfer_config else "",
+        device_type=device_type,
+    )
+
+
+def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:
+    """The identity an engine with these params would have, without loading weights into a model."""
+    from kvtool.engine.model_dir import open_model_dir, weights_digest
+
+    model_dir = open_model_dir(model_path)
+    device = resolve_device(params.device)
+    dtype = resolve_dtype(params.dtype, device)
+    digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(model_dir)
+    return build_identity(params, model_dir, dtype, device.type, digest)
+
+
+class LLMEngine:
+    """One model, one KV cache, one scheduler, optionally one connector.
+
+    Nothing here prints; results come back as msgspec Structs.
+    """
+
+    def __init__(self, params: EngineParams, progress: Progress | None = None) -> None:
+        from kvtool.engine.model_dir import open_model_dir, weights_digest
+        from kvtool.engine.models import build_model
+
+        self.params = params
+        self.device = resolve_device(params.device)
+        self.dtype = resolve_dtype(params.dtype, self.device)
+        ktc = params.kv_transfer_config
+        connector_cls = None
+        if ktc is not None and ktc.kv_connector is not None:
+            # Refuse an unrunnable connector before anything is loaded or run.
+            connector_cls = resolve_connector(ktc)
+            refuse_unrunnable_connector(connector_cls, ktc.kv_connector, self.device.type)
+
+        self.model_dir = open_model_dir(resolve_model_path(params.model, progress))
+        self.tokenizer = self.model_dir.tokenizer
+        cfg = self.model_dir.config
+        self.model_config = cfg
+        self.max_model_len = params.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        torch.manual_seed(params.seed)
+        self.model = build_model(self.model_dir, self.device, self.dtype, params.load_format, params.seed)
+
+        geometry = KVGeometry(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=params.block_size,
+            dtype=DTYPE_NAMES[self.dtype],
+        )
+        self.num_blocks = self._num_blocks(geometry)
+        self.kv_pages = KVPages(geometry, self.num_blocks, self.device)
+        self.none_hash = make_none_hash()
+
+        scheduler_half: SchedulerHalf | None = None
+        worker_half: WorkerHalf | None = None
+        self.identity: EngineIdentity | None = None
+        if connector_cls is not None:
+            digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(self.model_dir)
+            self.identity = build_identity(params, self.model_dir, self.dtype, self.device.type, digest)
+            ctx = ConnectorContext(config=ktc, identity=self.identity, none_hash=self.none_hash)
+            scheduler_half = connector_cls.scheduler_half(ctx)
+            assert connector_cls.worker_half is not None  # the guard above
+            worker_half = connector_cls.worker_half(ctx)
+
+        self.scheduler = Scheduler(
+            num_blocks=self.num_blocks,
+            block_size=params.block_size,
+            max_num_batched_tokens=params.max_num_batched_tokens,
+            max_num_seqs=params.max_num_seqs,
+            enable_prefix_caching=params.enable_prefix_caching,
+            none_hash=self.none_hash,
+            connector=scheduler_half,
+            kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
+        )
+        self.runner = ModelRunner(self.model, self.kv_pages, self.device, params.seed, worker_half)
+        self.worker_connector = worker_half
+        self.scheduler_connector = scheduler_half
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._closed = False
+
+    def _num_blocks(self, geometry: KVGeometry) -> int:
+        p = self.params
+        if p.num_gpu_blocks is not None:
+            return p.num_gpu_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1.0 - p.gpu_memory_utilization) * total
+            n = int(budget // geometry.bytes_per_block)
+        else:
+            n = p.kv_cache_memory // geometry.bytes_per_block
+        # More blocks than any set of max_num_seqs full-length requests can use is waste.
+        cap = p.max_num_seqs * -(-self.max_model_len // geometry.block_size) + 1
+        n = min(n, cap)
+        if n < 1:
+            raise ConfigError(
+                f"no room for KV blocks ({geometry.bytes_per_block} bytes each); "
+                "raise --kv-cache-memory / --gpu-memory-utilization or set --num-gpu-blocks"
+            )
+        return n
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> str:
+        """Queue a request; raises InputError for an empty, too long or unschedulable prompt."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InputError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is out of range for a vocabulary of {vocab}")
+        if n >= self.max_model_len:
+            raise InputError(
+                f"the prompt ({n} tokens) does not fit the maximum model length of {self.max_model_len} "
+                "tokens with room for one output token"
+            )
+        max_tokens = min(sampling.max_tokens, self.max_model_len - n)
+        blocks = -(-(n + max_tokens) // self.params.block_size)
+        if blocks > self.num_blocks:
+            raise InputError(
+                f"the request needs {blocks} KV blocks ({n} prompt + {max_tokens} output tokens) but the "
+                f"KV cache holds {self.num_blocks}; raise --kv-cache-memory or --num-gpu-blocks, "
+                "or lower max_tokens"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InputError(f"request id {rid!r} is already in use")
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        req = Request(
+            rid,
+            [int(t) for t in prompt_token_ids],
+            sampling,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            generator=generator,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        self._requests[rid] = req
+        self.scheduler.add_request(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step. Returns what changed for each request that produced a token or ended."""
+        so = self.scheduler.schedule()
+        ro = self.runner.execute(so)
+        outputs = self.scheduler.update_from_output(so, ro)
+        now = time.perf_counter()
+        for out in outputs:
+            req = self._requests[out.request_id]
+            if out.new_token_ids and req.first_token_time is None:
+                req.first_token_time = now
+            if not req.is_finished and req.sampling.stop and self._hit_stop_string(req):
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, req.stop_reason)
+                out.finished = True
+                out.finish_reason = "stop"
+            if req.is_finished and req.finish_time is None:
+                req.finish_time = now
+        return outputs
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids)
+        for stop in req.sampling.stop:
+            if stop and stop in text:
+                req.stop_reason = stop
+                return True
+        return False
+
+    def output_text(self, req: Request) -> str:
+        text = self.tokenizer.decode(req.output_token_ids)
+        if isinstance(req.stop_reason, str) and req.stop_reason in text:
+            text = text[: text.index(req.stop_reason)]
+        return text
+
+    def pop_result(self, request_id: str) -> RequestResult:
+        """The result of a finished request (which the engine then forgets)."""
+        req = self._requests.pop(request_id)
+        return self._result(req)
+
+    def request_view(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def _result(self, req: Request) -> RequestResult:
+        ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
+        decode = req.finish_time - req.first_token_time if req.finish_time and req.first_token_time else None
+        return RequestResult(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            text=self.output_text(req),
+            finish_reason=req.status.value if req.is_finished else "running",
+            error=req.error,
+            logprobs=req.logprobs or None,
+            stats=RequestStats(
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens or 0,
+                num_external_tokens=req.num_external_tokens,
+                num_external_loaded_tokens=req.num_external_loaded_tokens,
+                num_external_stored_tokens=req.num_external_stored_tokens,
+                num_preemptions=req.num_preemptions,
+                ttft_s=ttft,
+                decode_s=decode,
+            ),
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        *,
+        cache_salts: Sequence[str | None] | None = None,
+    ) -> list[RequestResult]:
+        """Run prompts (token id lists) to completion in one batch; results in input order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        ids = [self.add_request(p, sp, cache_salt=salt) for p, sp, salt in zip(prompts, params, salts)]
+        while self.has_unfinished_requests():
+            self.step()
+        return [self.pop_result(i) for i in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        s.num_free_blocks = self.scheduler.pool.num_free_blocks
+        s.num_prompt_tokens = s.num_prefix_cache_queries
+        return s
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Invariants that must hold when the engine is idle (used by tests)."""
+        self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Wait for pending KV stores and release connector resources."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()
+        if self.scheduler_connector is not None:
+            self.scheduler_connector.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def version(self) -> str:
+        return __version__

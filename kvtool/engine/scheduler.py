@@ -1,0 +1,335 @@
+"""Continuous batching: which requests run this step, how many tokens each, what to load or store.
+
+There is no prefill or decode phase: each step gives every running request the tokens between
+its num_computed_tokens and num_tokens (capped by the token budget), then admits waiting
+requests: local prefix-cache hit first, then the connector's external hit, then blocks for the
+rest. When blocks run out, the most recently admitted running request is preempted and will be
+recomputed. The scheduler never touches a tensor, and it is the only reader of
+`kv_load_failure_policy`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvtool.engine.block_pool import BlockPool
+from kvtool.engine.connectors.base import KVConnectorOutput, SchedulerHalf
+from kvtool.engine.hashing import extend_block_hashes
+from kvtool.engine.outputs import (
+    EngineStats,
+    RequestOutput,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvtool.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool,
+        none_hash: bytes,
+        connector: SchedulerHalf | None = None,
+        kv_load_failure_policy: str = "fail",
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.none_hash = none_hash
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # Block hashes are needed for the prefix cache and for connectors' keys.
+        self.needs_block_hashes = enable_prefix_caching or connector is not None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.finished_req_ids: set[str] = set()
+        # Blocks of finished requests that the connector still reads (until finished_sending).
+        self.held_blocks: dict[str, list[int]] = {}
+        self.stats = EngineStats(num_blocks=num_blocks)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if self.needs_block_hashes:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, self.none_hash, req.cache_salt)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.stats.num_requests += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | int | None = None) -> None:
+        """Finish a request for a reason only the engine can see (a stop string)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+
+        # Running requests first, in admission order; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            while not self.pool.can_allocate(need):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if req.request_id in preempted:
+                break
+            req.block_ids.extend(self.pool.allocate(max(need, 0)))
+            scheduled.append(self._make_scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then admit waiting requests, unless this step had to preempt.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            admitted = self._try_admit(req, budget)
+            if admitted is None:
+                break
+            if admitted is False:
+                skipped.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append(admitted)
+            budget -= admitted.num_tokens
+        self.waiting.extendleft(reversed(skipped))
+
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            out.connector_meta = self.connector.build_connector_meta(out)
+        return out
+
+    def _try_admit(self, req: Request, budget: int) -> ScheduledRequest | bool | None:
+        """Admit one waiting request: ScheduledRequest, False (skip it this step) or None (stop admitting)."""
+        bs = self.block_size
+        # At least one token must be computed, so a full hit leaves the last token out.
+        max_hit_blocks = (req.num_tokens - 1) // bs
+        hits = self.pool.find_cached_prefix(req.block_hashes[:max_hit_blocks])
+        num_local = len(hits) * bs
+        num_ext = 0
+        if self.connector is not None:
+            matched, _ = self.connector.get_num_new_matched_tokens(req, num_local)
+            if matched is None:
+                return False
+            num_ext = max(0, min(matched, req.num_tokens - 1 - num_local))
+        num_computed = num_local + num_ext
+        num_new = min(req.num_tokens - num_computed, budget)
+        need = self._blocks_for(num_computed + num_new) - len(hits)
+        num_free_hits = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        if not self.pool.can_allocate(need + num_free_hits):
+            return None
+        self.pool.touch(hits)
+        req.block_ids = hits + self.pool.allocate(need)
+        self.num_cached_blocks[req.request_id] = len(hits)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_local
+            req.num_external_tokens = num_ext
+            self.pool.record_query(req.num_prompt_tokens, num_local)
+            self.stats.num_prefix_cache_queries += req.num_prompt_tokens
+            self.stats.num_prefix_cache_hits += num_local
+            self.stats.external_tokens_matched += num_ext
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, req.block_ids, num_ext)
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        return self._make_scheduled(req, num_new)
+
+    def _make_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + num_new],
+            start=start,
+            block_ids=req.block_ids,
+            sample=start + num_new == req.num_tokens,
+            sampling=req.sampling,
+            generator=req.generator,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+
+    # ---- results back --------------------------------------------------------------------
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        conn_out = runner_out.connector_output
+        invalid: set[int] = set()
+        if conn_out is not None:
+            invalid = conn_out.invalid_block_ids
+            self._apply_connector_output(conn_out)
+        bs = self.block_size
+        for s in sched_out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
+                continue
+            if invalid and not invalid.isdisjoint(req.block_ids):
+                out = self._handle_invalid_blocks(req, invalid, conn_out)
+                if out is not None:
+                    outputs.append(out)
+                continue
+            req.num_computed_tokens += s.num_tokens
+            self._cache_full_blocks(req)
+            if not s.sample:
+                continue
+            token = runner_out.sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if s.request_id in runner_out.logprobs:
+                req.logprobs.append(runner_out.logprobs[s.request_id])
+            self.stats.num_generation_tokens += 1
+            if self.needs_block_hashes and req.num_tokens % bs == 0:
+                extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.none_hash, req.cache_salt)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token],
+                    finished=req.is_finished,
+                    finish_reason=req.status.value if req.is_finished else None,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        done = self.num_cached_blocks.get(req.request_id, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        if full > done:
+            self.pool.cache_blocks(req.block_ids, req.block_hashes, done, full)
+            self.num_cached_blocks[req.request_id] = full
+
+    def _handle_invalid_blocks(
+        self, req: Request, invalid: set[int], conn_out: KVConnectorOutput | None
+    ) -> RequestOutput | None:
+        """Apply kv_load_failure_policy to a request whose external KV failed to load this step.
+
+        The step's forward ran over those blocks; its sampled token is discarded either way.
+        fail: the request ends with an error, and the bad block and every later block of the
+        request leave the prefix cache. recompute: num_computed_tokens goes back to the first
+        bad block, and the rest is computed again.
+        """
+        first = next(i for i, b in enumerate(req.block_ids) if b in invalid)
+        self.stats.load_failures += 1
+        if self.kv_load_failure_policy == "fail":
+            reasons = conn_out.invalid_reasons if conn_out is not None else {}
+            reason = reasons.get(req.block_ids[first], "external KV failed to load")
+            self.pool.evict(req.block_ids[first:])
+            req.error = f"KV load failed for request {req.request_id}: {reason}"
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return RequestOutput(
+                request_id=req.request_id, new_token_ids=[], finished=True, finish_reason="error", error=req.error
+            )
+        self.pool.evict(req.block_ids[first:])
+        recomputed_from = first * self.block_size
+        req.num_computed_tokens = min(req.num_computed_tokens, recomputed_from)
+        if req.num_cached_tokens is not None:
+            req.num_external_tokens = max(0, min(req.num_external_tokens, recomputed_from - req.num_cached_tokens))
+        self.num_cached_blocks[req.request_id] = min(self.num_cached_blocks.get(req.request_id, 0), first)
+        return None
+
+    def _apply_connector_output(self, out: KVConnectorOutput) -> None:
+        st = out.stats
+        self.stats.bytes_loaded += st.bytes_loaded
+        self.stats.bytes_stored += st.bytes_stored
+        self.stats.load_s += st.load_s
+        self.stats.store_s += st.store_s
+        for rid, n in st.tokens_loaded.items():
+            self.stats.external_tokens_loaded += n
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_external_loaded_tokens += n
+        for rid, n in st.tokens_stored.items():
+            self.stats.external_tokens_stored += n
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_external_stored_tokens += n
+        if self.connector is not None:
+            self.connector.update_connector_output(out)
+        for rid in out.finished_sending:
+            blocks = self.held_blocks.pop(rid, None)
+            if blocks is not None:
+                self.pool.free(blocks)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        was_running = req.status == RequestStatus.RUNNING
+        req.status = status
+        self.stats.num_finished += 1
+        if was_running:
+            self.running.remove(req)
+        keep = False
+        if self.connector is not None:
+            keep, params = self.connector.request_finished(req, req.block_ids)
+            if params:
+                req.kv_transfer_params = {**req.kv_transfer_params, **params}
+        if keep:
+            self.held_blocks[req.request_id] = req.block_ids
+        else:
+            self.pool.free(req.block_ids)
+        req.block_ids = []
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
