@@ -165,6 +165,8 @@ class Scheduler:
             self.stats.num_prefix_cache_queries += req.num_prompt_tokens
             self.stats.num_prefix_cache_hits += num_local
             self.stats.external_tokens_matched += num_ext
+        # The connector reads the local hit from num_computed_tokens, then the external tokens follow it.
+        req.num_computed_tokens = num_local
         if self.connector is not None:
             self.connector.update_state_after_alloc(req, req.block_ids, num_ext)
         req.num_computed_tokens = num_computed

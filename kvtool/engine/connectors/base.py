@@ -112,7 +112,12 @@ class SchedulerHalf(abc.ABC):
 
     @abc.abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """Called once blocks were allocated for an admitted request; decide the load from num_external_tokens."""
+        """Called once blocks were allocated for an admitted request; decide the load from num_external_tokens.
+
+        At this call request.num_computed_tokens is the local prefix-cache hit, so the external
+        tokens to load are [num_computed_tokens, num_computed_tokens + num_external_tokens), in
+        block_ids. Called again if a preempted request is admitted anew.
+        """
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -1,0 +1,1 @@
+"""The LMCache connector: cache keys and chunk hashes, the lm:// client, the connector halves."""

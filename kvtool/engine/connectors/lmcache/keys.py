@@ -1,0 +1,611 @@
+"""LMCache cache keys and chunk hashes, byte-identical with LMCache 0.5.6's `ChunkedTokenDatabase`.
+
+A *key* is the string LMCache's `CacheEngineKey.to_string()` produces and the lm:// wire carries:
+
+    {model}@{world_size}@{worker_id}@{chunk_hash:x}@{dtype_str}[@{layer_id}][@{tag}%{value}]...
+
+The hash is `format(h, "x")`: lower case, no `0x`, no zero padding, a leading `-` for the
+negative hashes of builtin mode. `dtype_str` is LMCache's name for the KV torch dtype
+(float16 -> `half`, float32 -> `float`, table `_TORCH_TO_LMCACHE_DTYPE`).
+
+A *chunk* is LMCache's unit: chunk i covers tokens [i*cs, min((i+1)*cs, n)). The chain always
+starts at token 0 and carries a 64-bit int (the *fold*: the first 8 bytes of a digest, big-endian):
+
+    h[-1] = NONE_HASH
+    h[i]  = fold(H((h[i-1], tuple(chunk_i), ())))
+
+| hash_algo            | H                              | NONE_HASH                          |
+|----------------------|--------------------------------|------------------------------------|
+| `vllm`/`sha256_cbor` | SHA-256 over canonical CBOR    | fold(SHA-256(cbor(seed)))          |
+| `sha256`             | SHA-256 over pickle protocol 5 | fold(SHA-256(pickle(seed)))        |
+| `builtin`            | CPython 3.11 `hash()`, signed, | `hash(seed)` under PYTHONHASHSEED= |
+|                      | never folded                   | seed; 0 for a peer without vLLM    |
+| `blake3`             | BLAKE3 over canonical CBOR     | fold(BLAKE3(cbor(seed)))           |
+
+`seed` is `none_hash_seed` (the peer's `PYTHONHASHSEED`) when given, else `"vllm-none-hash"`
+(vLLM >= 0.29; a peer on vLLM <= 0.28 with `PYTHONHASHSEED` unset has a random chain start and
+cannot be matched). `blake3` is kvtool's own mode for when kvtool is the only writer: LMCache
+has no such function (its `blake3` name falls back to the builtin hash), so its keys never
+match a peer's. `sha256` reproduces CPython's pickle stream and so works only from CPython.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import pickle
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal, get_args
+
+import blake3
+import cbor2
+import msgspec
+
+from kvtool.engine.errors import ConfigError, InputError
+
+MAX_KEY_BYTES = 150  # the key field of an lm:// request header
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM >= 0.29 with PYTHONHASHSEED unset
+TAG_CONFIG_PREFIX = "lmcache.tag."  # request_configs entries that become key tags
+
+HashAlgo = Literal["vllm", "sha256_cbor", "sha256", "builtin", "blake3"]
+HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
+_ALGO_ALIASES = {"sha256_cbor": "vllm"}
+
+# torch dtype name (and torch's own aliases) -> LMCache dtype string (lmcache/utils.py).
+_TORCH_TO_LMCACHE_DTYPE = {
+    "float16": "half",
+    "half": "half",
+    "bfloat16": "bfloat16",
+    "float32": "float",
+    "float": "float",
+    "float64": "double",
+    "double": "double",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2": "fp8_e5m2",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
+}
+LMCACHE_DTYPE_STRS = frozenset(_TORCH_TO_LMCACHE_DTYPE.values())
+# vLLM --kv-cache-dtype names: LMCache sees the uint8 tensor vLLM allocates for them.
+_VLLM_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+_DECIMAL = re.compile(r"[0-9]+")
+_HEX = re.compile(r"-?[0-9a-fA-F]+")
+_MASK64 = (1 << 64) - 1
+
+
+def lmcache_dtype_str(dtype: object) -> str:
+    """LMCache's dtype string for a torch dtype or its name (`torch.float16`, `"float16"`: `half`).
+
+    Raises ConfigError for a dtype LMCache has no string for.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name in _TORCH_TO_LMCACHE_DTYPE:
+        return _TORCH_TO_LMCACHE_DTYPE[name]
+    if name in _VLLM_FP8_CACHE_DTYPES:
+        raise ConfigError(
+            f"KV dtype {name!r} is a vLLM cache dtype: LMCache keys of fp8 caches say 'uint8' "
+            "(use kv_dtype 'uint8')"
+        )
+    raise ConfigError(
+        f"KV dtype {name!r} has no LMCache dtype string; use one of "
+        f"{', '.join(sorted(_TORCH_TO_LMCACHE_DTYPE))}"
+    )
+
+
+def format_chunk_hash(chunk_hash: int) -> str:
+    """LMCache's hex rule: lower case, no `0x`, no zero padding, `-` before a negative hash."""
+    return format(chunk_hash, "x")
+
+
+# ----------------------------------------------------------------------------- key strings
+
+
+class LMCacheKey(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of one LMCache key (`CacheEngineKey`, or `LayerCacheEngineKey` with a layer)."""
+
+    model_name: str  # vLLM's --model string as given; never contains '@'
+    world_size: int  # PP x TP x PCP of the writer
+    worker_id: int  # the writer's global rank
+    chunk_hash: int  # signed in builtin mode, else an unsigned 64-bit fold
+    dtype_str: str  # LMCache's dtype string (`half`, `bfloat16`, ...)
+    layer_id: int | None = None  # set only for layerwise keys
+    tags: tuple[tuple[str, str], ...] = ()  # (tag, value) in the writer's order
+
+    def to_string(self) -> str:
+        """The key string, checked as `format_key` checks it."""
+        return format_key(
+            self.model_name,
+            self.world_size,
+            self.worker_id,
+            self.chunk_hash,
+            self.dtype_str,
+            layer_id=self.layer_id,
+            tags=self.tags,
+        )
+
+
+def _refuse_bad_key_parts(model_name: str, dtype_str: str, tags: Sequence[tuple[str, str]]) -> None:
+    """Refuse the fields a peer would split wrongly, strip, or fail to parse."""
+    if not model_name:
+        raise ConfigError("LMCache key: model name is empty")
+    if "@" in model_name:
+        raise ConfigError(f"LMCache key: model name {model_name!r} contains '@'")
+    # The server strips the padded key field, so edge whitespace would not survive the wire.
+    if model_name != model_name.strip():
+        raise ConfigError(f"LMCache key: model name {model_name!r} has edge whitespace")
+    if dtype_str not in LMCACHE_DTYPE_STRS:
+        raise ConfigError(
+            f"LMCache key: dtype string {dtype_str!r} is not one of "
+            f"{', '.join(sorted(LMCACHE_DTYPE_STRS))}"
+        )
+    for tag, value in tags:
+        if not tag or "@" in tag or "%" in tag:
+            raise ConfigError(f"LMCache key: tag name {tag!r} is empty or contains '@' or '%'")
+        if "@" in value or value != value.strip():
+            raise ConfigError(
+                f"LMCache key: tag {tag!r} value {value!r} contains '@' or edge whitespace"
+            )
+
+
+def _refuse_long_key(key: str) -> None:
+    num_bytes = len(key.encode("utf-8"))
+    if num_bytes > MAX_KEY_BYTES:
+        raise ConfigError(
+            f"LMCache key is {num_bytes} bytes, over the {MAX_KEY_BYTES}-byte wire limit: "
+            f"{key[:60]!r}..."
+        )
+
+
+def _key_head_tail(
+    model_name: str,
+    world_size: int,
+    worker_id: int,
+    dtype_str: str,
+    layer_id: int | None,
+    tags: Mapping[str, str] | Sequence[tuple[str, str]],
+) -> tuple[str, str]:
+    """The checked text before and after the hash field of a key."""
+    tag_items = list(tags.items()) if isinstance(tags, Mapping) else list(tags)
+    tag_items = [(str(tag), str(value)) for tag, value in tag_items]
+    _refuse_bad_key_parts(model_name, dtype_str, tag_items)
+    head = f"{model_name}@{world_size}@{worker_id}@"
+    tail = f"@{dtype_str}" if layer_id is None else f"@{dtype_str}@{layer_id}"
+    tail += "".join(f"@{tag}%{value}" for tag, value in tag_items)
+    return head, tail
+
+
+def format_key(
+    model_name: str,
+    world_size: int,
+    worker_id: int,
+    chunk_hash: int,
+    dtype_str: str,
+    *,
+    layer_id: int | None = None,
+    tags: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+) -> str:
+    """One key string exactly as LMCache's `to_string()` writes it.
+
+    `tags` are tag names without the `lmcache.tag.` prefix, in order (a mapping keeps its
+    insertion order). Raises ConfigError for a model name with '@' or edge whitespace, an
+    unknown dtype string, a tag the peer would misparse, or a key over 150 UTF-8 bytes.
+    """
+    head, tail = _key_head_tail(model_name, world_size, worker_id, dtype_str, layer_id, tags)
+    key = f"{head}{format_chunk_hash(chunk_hash)}{tail}"
+    _refuse_long_key(key)
+    return key
+
+
+def parse_key(text: str) -> LMCacheKey:
+    """Parse a key string as LMCache's `parse_cache_key` does, for inspection.
+
+    Surrounding whitespace (the wire's space padding) is stripped. The hash may carry upper
+    case or leading zeros, which the peer treats as the same key; `to_string()` of the result
+    gives the canonical spelling. A sixth field of digits is a layer id; every further field is
+    `tag%value`. Raises ConfigError (one line) for a key over 150 bytes, a model name with '@',
+    a non-decimal world size or worker id, a bad hash, an unknown dtype string or a bad tag.
+    """
+    key = text.strip()
+    _refuse_long_key(key)
+    parts = key.split("@")
+    if len(parts) < 5:
+        raise ConfigError(f"LMCache key {key!r} has {len(parts)} '@' fields, at least 5 expected")
+    if not _DECIMAL.fullmatch(parts[1]):
+        at = _find_key_fields(parts)
+        if at is not None:
+            model = "@".join(parts[:at])
+            raise ConfigError(f"LMCache key {key!r}: model name {model!r} contains '@'")
+        raise ConfigError(f"LMCache key {key!r}: world size {parts[1]!r} is not a decimal integer")
+    if not _DECIMAL.fullmatch(parts[2]):
+        raise ConfigError(f"LMCache key {key!r}: worker id {parts[2]!r} is not a decimal integer")
+    if not _HEX.fullmatch(parts[3]):
+        raise ConfigError(f"LMCache key {key!r}: chunk hash {parts[3]!r} is not hexadecimal")
+    if parts[4] not in LMCACHE_DTYPE_STRS:
+        raise ConfigError(
+            f"LMCache key {key!r}: dtype string {parts[4]!r} is not one of "
+            f"{', '.join(sorted(LMCACHE_DTYPE_STRS))}"
+        )
+    rest = parts[5:]
+    layer_id = None
+    if rest and _DECIMAL.fullmatch(rest[0]):
+        layer_id = int(rest[0])
+        rest = rest[1:]
+    tags = []
+    for field in rest:
+        tag, sep, value = field.partition("%")
+        if not sep:
+            raise ConfigError(
+                f"LMCache key {key!r}: field {field!r} is neither a layer id nor tag%value"
+            )
+        tags.append((tag, value))
+    return LMCacheKey(
+        model_name=parts[0],
+        world_size=int(parts[1]),
+        worker_id=int(parts[2]),
+        chunk_hash=int(parts[3], 16),
+        dtype_str=parts[4],
+        layer_id=layer_id,
+        tags=tuple(tags),
+    )
+
+
+def _find_key_fields(parts: list[str]) -> int | None:
+    """Index where `world@worker@hash@dtype` starts, if a model name with '@' pushed it right."""
+    for at in range(2, len(parts) - 3):
+        if (
+            _DECIMAL.fullmatch(parts[at])
+            and _DECIMAL.fullmatch(parts[at + 1])
+            and _HEX.fullmatch(parts[at + 2])
+            and parts[at + 3] in LMCACHE_DTYPE_STRS
+        ):
+            return at
+    return None
+
+
+def tags_from_request_configs(request_configs: Mapping[str, object] | None) -> dict[str, str]:
+    """The key tags LMCache derives from a request's configs: `lmcache.tag.*` entries, in order."""
+    if not request_configs:
+        return {}
+    return {
+        k[len(TAG_CONFIG_PREFIX) :]: str(v)
+        for k, v in request_configs.items()
+        if k.startswith(TAG_CONFIG_PREFIX)
+    }
+
+
+# ----------------------------------------------------------------------------- CPython hash()
+# CPython 3.11 on a 64-bit build (Python/pyhash.c, Objects/longobject.c, Objects/tupleobject.c).
+
+_MODULUS = (1 << 61) - 1  # sys.hash_info.modulus
+_XXPRIME_1 = 11400714785074694791
+_XXPRIME_2 = 14029467366897019727
+_XXPRIME_5 = 2870177450012600261
+_TUPLE_LEN_MIX = _XXPRIME_5 ^ 3527539
+_EMPTY_TUPLE_HASH = 5740354900026072187  # hash(())
+
+
+def _int_hash(x: int) -> int:
+    h = x % _MODULUS if x >= 0 else -((-x) % _MODULUS)
+    return -2 if h == -1 else h
+
+
+def _tuple_hash_of_lanes(lanes: Iterable[int], length: int) -> int:
+    """tuplehash() over item hashes already reduced to unsigned 64-bit lanes."""
+    acc = _XXPRIME_5
+    for lane in lanes:
+        acc = (acc + lane * _XXPRIME_2) & _MASK64
+        acc = ((acc << 31) | (acc >> 33)) & _MASK64
+        acc = (acc * _XXPRIME_1) & _MASK64
+    acc = (acc + (length ^ _TUPLE_LEN_MIX)) & _MASK64
+    if acc == _MASK64:
+        return 1546275796
+    return acc - (1 << 64) if acc >> 63 else acc
+
+
+def _hash_secret_key(hash_seed: int) -> tuple[int, int]:
+    """SipHash key (k0, k1): the first 16 bytes of the secret PYTHONHASHSEED=hash_seed sets."""
+    if hash_seed == 0:
+        return 0, 0  # PYTHONHASHSEED=0 disables randomisation: an all-zero secret
+    secret = bytearray(16)
+    x = hash_seed
+    for i in range(16):
+        x = (x * 214013 + 2531011) & 0xFFFFFFFF  # lcg_urandom
+        secret[i] = (x >> 16) & 0xFF
+    return int.from_bytes(secret[:8], "little"), int.from_bytes(secret[8:], "little")
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & _MASK64
+
+
+def _siphash13(k0: int, k1: int, data: bytes) -> int:
+    v0 = k0 ^ 0x736F6D6570736575
+    v1 = k1 ^ 0x646F72616E646F6D
+    v2 = k0 ^ 0x6C7967656E657261
+    v3 = k1 ^ 0x7465646279746573
+
+    def sip_round() -> None:
+        nonlocal v0, v1, v2, v3
+        v0 = (v0 + v1) & _MASK64
+        v2 = (v2 + v3) & _MASK64
+        v1 = _rotl(v1, 13) ^ v0
+        v3 = _rotl(v3, 16) ^ v2
+        v0 = _rotl(v0, 32)
+        v2 = (v2 + v1) & _MASK64
+        v0 = (v0 + v3) & _MASK64
+        v1 = _rotl(v1, 17) ^ v2
+        v3 = _rotl(v3, 21) ^ v0
+        v2 = _rotl(v2, 32)
+
+    n = len(data)
+    tail = n - n % 8
+    for off in range(0, tail, 8):
+        m = int.from_bytes(data[off : off + 8], "little")
+        v3 ^= m
+        sip_round()
+        v0 ^= m
+    b = ((n & 0xFF) << 56) | int.from_bytes(data[tail:], "little")
+    v3 ^= b
+    sip_round()
+    v0 ^= b
+    v2 ^= 0xFF
+    sip_round()
+    sip_round()
+    sip_round()
+    return v0 ^ v1 ^ v2 ^ v3
+
+
+def _str_hash(s: str, hash_seed: int) -> int:
+    if not s:
+        return 0
+    # CPython hashes its internal representation: 1, 2 or 4 bytes per code point.
+    widest = max(map(ord, s))
+    if widest < 0x100:
+        data = s.encode("latin-1")
+    elif widest < 0x10000:
+        data = s.encode("utf-16-le", "surrogatepass")
+    else:
+        data = s.encode("utf-32-le", "surrogatepass")
+    h = _siphash13(*_hash_secret_key(hash_seed), data)
+    h = h - (1 << 64) if h >> 63 else h
+    return -2 if h == -1 else h
+
+
+def cpython_hash(value: int | str | tuple, hash_seed: int = 0) -> int:
+    """CPython 3.11's `hash(value)` (64-bit build) under PYTHONHASHSEED=hash_seed.
+
+    Supports int (and bool), str (SipHash-1-3) and tuples of these, nested. `hash_seed` only
+    matters for str. Raises TypeError for any other type and ValueError for a seed outside
+    [0, 4294967295].
+    """
+    if not 0 <= hash_seed <= 0xFFFFFFFF:
+        raise ValueError(f"PYTHONHASHSEED must be in [0, 4294967295], got {hash_seed}")
+    if isinstance(value, int):
+        return _int_hash(value)
+    if isinstance(value, str):
+        return _str_hash(value, hash_seed)
+    if isinstance(value, tuple):
+        lanes = [cpython_hash(item, hash_seed) & _MASK64 for item in value]
+        return _tuple_hash_of_lanes(lanes, len(value))
+    raise TypeError(f"cpython_hash supports int, str and tuple, not {type(value).__name__}")
+
+
+def _builtin_chunk_hash(prefix: int, tokens: list[int]) -> int:
+    """hash((prefix, tuple(tokens), ())) for non-negative tokens."""
+    if tokens and max(tokens) >= _MODULUS:
+        inner = _tuple_hash_of_lanes((_int_hash(t) & _MASK64 for t in tokens), len(tokens))
+    else:
+        inner = _tuple_hash_of_lanes(tokens, len(tokens))  # small ints hash to themselves
+    lanes = (_int_hash(prefix) & _MASK64, inner & _MASK64, _EMPTY_TUPLE_HASH)
+    return _tuple_hash_of_lanes(lanes, 3)
+
+
+# ----------------------------------------------------------------------------- chunk hashes
+
+
+def _fold(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big")
+
+
+def _cbor(value: object) -> bytes:
+    # Canonical: shortest-form heads; ints up to 2**64-1 are unsigned (major type 0).
+    return cbor2.dumps(value, canonical=True)
+
+
+def _sha256_cbor_chunk_hash(prefix: int, tokens: list[int]) -> int:
+    return _fold(hashlib.sha256(_cbor((prefix, tokens, ()))).digest())
+
+
+def _sha256_pickle_chunk_hash(prefix: int, tokens: list[int]) -> int:
+    # A tuple, not a list: pickle spells the two differently.
+    data = pickle.dumps((prefix, tuple(tokens), ()), protocol=5)
+    return _fold(hashlib.sha256(data).digest())
+
+
+def _blake3_chunk_hash(prefix: int, tokens: list[int]) -> int:
+    return _fold(blake3.blake3(_cbor((prefix, tokens, ()))).digest())
+
+
+_CHUNK_HASH_FNS: dict[str, Callable[[int, list[int]], int]] = {
+    "vllm": _sha256_cbor_chunk_hash,
+    "sha256": _sha256_pickle_chunk_hash,
+    "builtin": _builtin_chunk_hash,
+    "blake3": _blake3_chunk_hash,
+}
+
+
+def canonical_hash_algo(hash_algo: str) -> str:
+    """The kvtool mode behind a name (`sha256_cbor` -> `vllm`); ConfigError for an unknown name."""
+    if hash_algo not in HASH_ALGOS:
+        raise ConfigError(
+            f"unknown LMCache hash_algo {hash_algo!r}; use one of {', '.join(HASH_ALGOS)}"
+        )
+    return _ALGO_ALIASES.get(hash_algo, hash_algo)
+
+
+def make_chunk_hash(prefix: int, chunk_tokens: Sequence[int], hash_algo: str = "vllm") -> int:
+    """One link of the chain: the hash of a chunk whose predecessor hashed to `prefix`."""
+    return _CHUNK_HASH_FNS[canonical_hash_algo(hash_algo)](prefix, list(chunk_tokens))
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+class LMCacheKeySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a peer's keys depend on. Invalid combinations are refused at construction.
+
+    Raises ConfigError (one line) for: an unknown hash_algo or kv_dtype; a model name a key
+    cannot carry; a worst-case key over 150 bytes; worker_id outside [0, world_size);
+    chunk_tokens < 1; `builtin` with a vLLM peer and no none_hash_seed (the peer's chain
+    start is then random per process); a none_hash_seed Python could not have used as
+    PYTHONHASHSEED in `builtin` mode; peer_has_vllm=False with a mode other than `builtin`.
+    """
+
+    model_name: str  # vLLM's --model string exactly as the peer was given it
+    world_size: int = 1  # PP x TP x PCP (data parallelism excluded)
+    worker_id: int = 0  # global rank; each TP rank keys its own shard
+    kv_dtype: str = "bfloat16"  # torch dtype of the KV cache (fp8 caches: "uint8")
+    chunk_tokens: int = 256  # LMCache's chunk_size
+    hash_algo: HashAlgo = "vllm"  # kvtool mode, table in the module docstring
+    none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; None = unset
+    save_unfull_chunk: bool = False  # also key a trailing partial chunk
+    # False: LMCache runs without vLLM, so every name hashes with builtin hash() from 0.
+    peer_has_vllm: bool = True
+
+    def __post_init__(self) -> None:
+        algo = canonical_hash_algo(self.hash_algo)
+        lmcache_dtype_str(self.kv_dtype)
+        if self.world_size < 1:
+            raise ConfigError(f"LMCache world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.worker_id < self.world_size:
+            raise ConfigError(
+                f"LMCache worker_id must be in [0, {self.world_size}), got {self.worker_id}"
+            )
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"LMCache chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if not self.peer_has_vllm:
+            if algo != "builtin":
+                raise ConfigError(
+                    "peer_has_vllm=False: LMCache without vLLM hashes every chunk with CPython's "
+                    f"builtin hash from NONE_HASH 0, so hash_algo must be 'builtin', "
+                    f"not {self.hash_algo!r}"
+                )
+        elif algo == "builtin":
+            if self.none_hash_seed is None:
+                raise ConfigError(
+                    "hash_algo 'builtin' with a vLLM peer needs none_hash_seed (the peer's "
+                    "PYTHONHASHSEED): unset, the peer's chain start is random per process; "
+                    "fix PYTHONHASHSEED on the peer or use hash_algo 'vllm'"
+                )
+            _python_hash_seed(self.none_hash_seed)
+        # Refuse up front a model whose keys would overflow the wire for some hashes only.
+        format_key(
+            self.model_name, self.world_size, self.worker_id, _worst_case_hash(algo), self.dtype_str
+        )
+
+    @property
+    def dtype_str(self) -> str:
+        """LMCache's dtype string for `kv_dtype`."""
+        return lmcache_dtype_str(self.kv_dtype)
+
+    @property
+    def none_hash_seed_str(self) -> str:
+        """The string vLLM hashes for NONE_HASH (the seed, else "vllm-none-hash")."""
+        return DEFAULT_NONE_HASH_SEED if self.none_hash_seed is None else self.none_hash_seed
+
+
+def _worst_case_hash(algo: str) -> int:
+    """The hash with the longest hex spelling a mode can produce (builtin: `-8000000000000000`)."""
+    return -(1 << 63) if algo == "builtin" else _MASK64
+
+
+def _python_hash_seed(seed: str) -> int:
+    """The int key PYTHONHASHSEED=seed gives str hashing; ConfigError if Python would refuse it."""
+    if seed == "":
+        return 0  # Python treats it as unset (random key), but hash("") is 0 under any key
+    if not _DECIMAL.fullmatch(seed) or int(seed) > 0xFFFFFFFF:
+        raise ConfigError(
+            f"none_hash_seed {seed!r} cannot be a PYTHONHASHSEED for builtin hashing; "
+            "use a decimal integer in [0, 4294967295]"
+        )
+    return int(seed)
+
+
+def make_none_hash_int(settings: LMCacheKeySettings) -> int:
+    """The chain start LMCache uses for these settings (its folded NONE_HASH)."""
+    algo = canonical_hash_algo(settings.hash_algo)
+    seed = settings.none_hash_seed_str
+    if algo == "vllm":
+        return _fold(hashlib.sha256(_cbor(seed)).digest())
+    if algo == "sha256":
+        return _fold(hashlib.sha256(pickle.dumps(seed, protocol=5)).digest())
+    if algo == "blake3":
+        return _fold(blake3.blake3(_cbor(seed)).digest())
+    if not settings.peer_has_vllm:
+        return 0
+    return _str_hash(seed, _python_hash_seed(seed))
+
+
+class ChunkKey(msgspec.Struct, frozen=True):
+    """One chunk of a token sequence and its LMCache key (what `process_tokens` yields)."""
+
+    start: int  # first token of the chunk
+    end: int  # one past its last token
+    chunk_hash: int  # the chain value; signed in builtin mode
+    key: str  # the LMCache key string
+
+
+def _token_list(tokens: Sequence[int]) -> list[int]:
+    """Tokens as a list of non-negative Python ints; a tensor or array is read with `tolist()`."""
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    try:
+        token_ids = list(map(operator.index, tokens))
+    except TypeError as e:
+        raise InputError(f"token ids must be integers: {e}") from None
+    if token_ids and min(token_ids) < 0:
+        raise InputError(f"token ids must be >= 0, found {min(token_ids)}")
+    return token_ids
+
+
+def make_chunk_keys(
+    tokens: Sequence[int],
+    settings: LMCacheKeySettings,
+    *,
+    tags: Mapping[str, str] | None = None,
+) -> list[ChunkKey]:
+    """The keys a peer with these settings gives `tokens`, from token 0, in chunk order.
+
+    Only full chunks get keys unless `settings.save_unfull_chunk`; then a trailing partial
+    chunk is hashed over its real length. `tokens` may be a list, a tuple or a 1-D tensor.
+    `tags` are tag names without the `lmcache.tag.` prefix (`tags_from_request_configs`).
+    Pure: no state is kept. Raises InputError for non-integer or negative token ids and
+    ConfigError for tags a key cannot carry.
+    """
+    s = settings
+    token_ids = _token_list(tokens)
+    algo = canonical_hash_algo(s.hash_algo)
+    chunk_hash_fn = _CHUNK_HASH_FNS[algo]
+    cs = s.chunk_tokens
+    n = len(token_ids)
+    num_hashed = n if s.save_unfull_chunk else n - n % cs
+
+    # The fixed parts are built once; the longest hash the mode can produce must still fit.
+    fixed = (s.model_name, s.world_size, s.worker_id, s.dtype_str)
+    head, tail = _key_head_tail(*fixed, None, tags or {})
+    _refuse_long_key(f"{head}{format_chunk_hash(_worst_case_hash(algo))}{tail}")
+
+    result = []
+    prefix = make_none_hash_int(s)
+    for start in range(0, num_hashed, cs):
+        prefix = chunk_hash_fn(prefix, token_ids[start : start + cs])
+        result.append(ChunkKey(start, min(start + cs, n), prefix, f"{head}{prefix:x}{tail}"))
+    return result
