@@ -150,9 +150,7 @@ class LLMEngine:
             digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(self.model_dir)
             self.identity = build_identity(params, self.model_dir, self.dtype, self.device.type, digest)
             ctx = ConnectorContext(config=ktc, identity=self.identity, none_hash=self.none_hash)
-            scheduler_half = connector_cls.scheduler_half(ctx)
-            assert connector_cls.worker_half is not None  # the guard above
-            worker_half = connector_cls.worker_half(ctx)
+            scheduler_half, worker_half = connector_cls.create_halves(ctx)
 
         self.scheduler = Scheduler(
             num_blocks=self.num_blocks,

@@ -202,6 +202,13 @@ class KVConnector:
     worker_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     @classmethod
+    def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf | None]:
+        """Build both halves. A connector whose halves share a storage medium (host memory,
+        a directory) creates it here and hands it to both, as vLLM's share a memory region."""
+        worker = cls.worker_half(ctx) if cls.worker_half is not None else None
+        return cls.scheduler_half(ctx), worker
+
+    @classmethod
     def worker_refusal(cls, device_type: str) -> str | None:
         """Why the worker half cannot run on this device type, or None when it can."""
         if cls.worker_half is None:

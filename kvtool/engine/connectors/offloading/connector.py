@@ -1,0 +1,397 @@
+"""OffloadingConnector: a CPU tier and an optional disk tier, with a working worker half.
+
+Keys are vLLM's: the chained block hash of the last engine block of an offload block, followed
+by the KV-cache group index as 4 big-endian bytes. A lookup walks the chain longest-prefix
+first, in the CPU tier, then on disk; a disk hit is promoted into the CPU tier and loaded from
+there. Stores copy newly completed prompt blocks into the CPU tier after the forward and write
+them through to disk on a background thread, off the critical path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import msgspec
+import torch
+
+from kvtool.engine.connectors.base import (
+    ConnectorContext,
+    EngineIdentity,
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    SchedulerHalf,
+    TransferStats,
+    WorkerHalf,
+)
+from kvtool.engine.connectors.offloading.cpu_tier import CPUTier, make_cpu_tier
+from kvtool.engine.connectors.offloading.disk_tier import DiskTier
+from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity
+from kvtool.engine.errors import ConfigError, KVRefused
+from kvtool.engine.kv_pages import refuse_geometry_mismatch
+
+logger = logging.getLogger("kvtool.offloading")
+
+DEFAULT_CPU_BYTES = 1 << 30
+
+
+class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kv_connector_extra_config of the OffloadingConnector (vLLM's keys where vLLM has them)."""
+
+    root_dir: str | None = None  # the disk tier; without it the connector is CPU-only
+    cpu_bytes_to_use: int | None = None
+    num_cpu_blocks: int | None = None
+    fs_capacity_bytes: int = 0  # 0 = unlimited
+    eviction_policy: Literal["lru"] = "lru"
+    offload_block_tokens: int | None = None  # a multiple of the engine block size
+    offload_prompt_only: bool = True
+    group_idx: int = 0
+
+
+# vLLM's name for offload_block_tokens.
+_ALIASES = {"block_size": "offload_block_tokens"}
+
+
+def parse_settings(extra: dict, engine_block_size: int) -> OffloadingSettings:
+    """Decode the extra config; unknown keys get one warning line (vLLM ignores them)."""
+    known = set(OffloadingSettings.__struct_fields__)
+    doc = {}
+    unknown = []
+    for k, v in extra.items():
+        k = _ALIASES.get(k, k)
+        if k in known:
+            doc[k] = v
+        else:
+            unknown.append(k)
+    if unknown:
+        logger.warning("OffloadingConnector ignores unknown kv_connector_extra_config keys: %s", ", ".join(sorted(unknown)))
+    try:
+        s = msgspec.convert(doc, OffloadingSettings)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid OffloadingConnector config: {e}") from None
+    obt = s.offload_block_tokens or engine_block_size
+    if obt <= 0 or obt % engine_block_size:
+        raise ConfigError(
+            f"invalid OffloadingConnector config: offload_block_tokens {obt} is not a multiple of "
+            f"the block size {engine_block_size}; round it up to {-(-obt // engine_block_size) * engine_block_size}"
+        )
+    for name in ("cpu_bytes_to_use", "num_cpu_blocks", "fs_capacity_bytes"):
+        value = getattr(s, name)
+        if value is not None and value < 0 or (name == "num_cpu_blocks" and value == 0):
+            raise ConfigError(f"invalid OffloadingConnector config: {name} must be positive, got {value}")
+    if s.group_idx != 0:
+        raise ConfigError("invalid OffloadingConnector config: this engine has one KV-cache group; group_idx must be 0")
+    return msgspec.structs.replace(s, offload_block_tokens=obt)
+
+
+def disk_identity(identity: EngineIdentity, offload_block_tokens: int) -> KVIdentity:
+    """The identity header every disk-tier file of this engine carries."""
+    return make_identity(
+        model_name=identity.model_name,
+        config_digest=identity.config_digest,
+        weights_digest=identity.weights_digest,
+        architecture=identity.architecture,
+        geometry=identity.geometry,
+        offload_block_tokens=offload_block_tokens,
+        none_hash_seed=identity.none_hash_seed,
+        rope_digest=identity.rope_digest,
+        engine_id=identity.engine_id or "kvtool",
+        hash_algorithm=identity.block_hash_algo,
+        sliding_window=identity.sliding_window or None,
+        weight_quantization=identity.weight_quantization,
+        kv_quantization=identity.kv_quantization,
+        tp_size=identity.tp_size,
+        tp_rank=identity.tp_rank,
+        pp_size=identity.pp_size,
+    )
+
+
+class LoadJob(msgspec.Struct, kw_only=True):
+    request_id: str
+    key: bytes
+    block_ids: list[int]  # engine blocks to fill
+    first: int  # index, inside the offload block, of block_ids[0]
+    slot: int | None  # CPU slot (pinned); None: read from disk through a staging buffer
+    from_disk: bool  # promote from disk into the slot first
+
+
+class StoreJob(msgspec.Struct, kw_only=True):
+    request_id: str
+    key: bytes
+    block_ids: list[int]  # the offload block's engine blocks
+    slot: int  # pinned CPU slot
+    copy_from_pages: bool  # False: the slot already holds the bytes (disk write only)
+    write_to_disk: bool
+
+
+class OffloadingMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = []
+    stores: list[StoreJob] = []
+
+
+class OffloadingScheduler(SchedulerHalf):
+    def __init__(self, ctx: ConnectorContext, settings: OffloadingSettings, cpu: CPUTier, disk: DiskTier | None) -> None:
+        super().__init__(ctx)
+        self.settings = settings
+        self.cpu = cpu
+        self.disk = disk
+        self.block_size = ctx.identity.geometry.block_size
+        self.obt = settings.offload_block_tokens or self.block_size
+        self.blocks_per_offload = self.obt // self.block_size
+        self.group_suffix = settings.group_idx.to_bytes(4, "big")
+        self.requests: dict = {}
+        self.next_store: dict[str, int] = {}
+        self.pending_loads: list[LoadJob] = []
+        self.inflight_loads: list[LoadJob] = []
+        self.inflight_stores: list[StoreJob] = []
+        # Keys whose bytes were refused in this process: not matched again until re-stored.
+        self.refused: set[bytes] = set()
+
+    def _key(self, request, j: int) -> bytes:
+        return request.block_hashes[(j + 1) * self.blocks_per_offload - 1] + self.group_suffix
+
+    def _available(self, key: bytes) -> bool:
+        if key in self.refused:
+            return False
+        return self.cpu.lookup(key) is not None or (self.disk is not None and self.disk.contains(key[:-4]))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.is_kv_consumer:
+            return 0, False
+        # Whole offload blocks only, and at least the last prompt token is left to compute.
+        last = min((request.num_tokens - 1) // self.obt, len(request.block_hashes) // self.blocks_per_offload)
+        j = num_computed_tokens // self.obt
+        while j < last and self._available(self._key(request, j)):
+            j += 1
+        return max(0, j * self.obt - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.requests[request.request_id] = request
+        if num_external_tokens <= 0:
+            return
+        start = request.num_computed_tokens
+        end = start + num_external_tokens
+        k = self.blocks_per_offload
+        for j in range(start // self.obt, -(-end // self.obt)):
+            lo = max(j * k, start // self.block_size)
+            hi = min((j + 1) * k, -(-end // self.block_size))
+            key = self._key(request, j)
+            slot = self.cpu.lookup(key)
+            if slot is not None:
+                self.cpu.pin(slot)
+                self.cpu.touch(key)
+                from_disk = False
+            else:
+                slot = self.cpu.allocate(key)  # promotion target; None when every slot is busy
+                from_disk = True
+            self.pending_loads.append(
+                LoadJob(request_id=request.request_id, key=key, block_ids=block_ids[lo:hi], first=lo - j * k,
+                        slot=slot, from_disk=from_disk)
+            )
+
+    def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
+        stores: list[StoreJob] = []
+        if self.config.is_kv_producer:
+            for s in scheduler_output.scheduled:
+                req = self.requests.get(s.request_id)
+                if req is not None:
+                    stores.extend(self._plan_stores(req, s))
+        meta = OffloadingMetadata(loads=self.pending_loads, stores=stores)
+        self.inflight_loads = self.pending_loads
+        self.inflight_stores = stores
+        self.pending_loads = []
+        return meta
+
+    def _plan_stores(self, req, s) -> list[StoreJob]:
+        done = s.start + s.num_tokens
+        if self.settings.offload_prompt_only:
+            done = min(done, req.num_prompt_tokens)
+        full = min(done // self.obt, len(req.block_hashes) // self.blocks_per_offload)
+        j = self.next_store.get(req.request_id, 0)
+        k = self.blocks_per_offload
+        jobs = []
+        while j < full:
+            key = self._key(req, j)
+            repair = key in self.refused
+            slot = None if repair else self.cpu.lookup(key)
+            on_disk = self.disk is not None and not repair and self.disk.contains(key[:-4])
+            if slot is not None:
+                self.cpu.touch(key)
+                if self.disk is not None and not on_disk:
+                    self.cpu.pin(slot)
+                    jobs.append(StoreJob(request_id=req.request_id, key=key, block_ids=s.block_ids[j * k : (j + 1) * k],
+                                         slot=slot, copy_from_pages=False, write_to_disk=True))
+            elif not on_disk:
+                slot = self.cpu.allocate(key)
+                if slot is not None:
+                    self.refused.discard(key)
+                    jobs.append(StoreJob(request_id=req.request_id, key=key, block_ids=s.block_ids[j * k : (j + 1) * k],
+                                         slot=slot, copy_from_pages=True, write_to_disk=self.disk is not None))
+            j += 1
+        self.next_store[req.request_id] = j
+        return jobs
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if output.invalid_block_ids:
+            failed: dict[str, int] = {}
+            for job in self.inflight_loads:
+                if not output.invalid_block_ids.isdisjoint(job.block_ids):
+                    self.cpu.drop(job.key)
+                    self.refused.add(job.key)
+                    failed.setdefault(job.request_id, self._offload_index(job))
+            # The worker skipped these requests' stores (computed over KV that failed to load):
+            # forget their slots, and store again from the first bad block after a recompute.
+            for job in self.inflight_stores:
+                if job.request_id in failed and job.copy_from_pages:
+                    self.cpu.drop(job.key)
+            for rid, j in failed.items():
+                if rid in self.next_store:
+                    self.next_store[rid] = min(self.next_store[rid], j)
+        self.inflight_loads = []
+        self.inflight_stores = []
+
+    def _offload_index(self, job: LoadJob) -> int:
+        req = self.requests.get(job.request_id)
+        k = self.blocks_per_offload
+        for j in range(len(req.block_hashes) // k if req is not None else 0):
+            if self._key(req, j) == job.key:
+                return j
+        return 0
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.requests.pop(request.request_id, None)
+        self.next_store.pop(request.request_id, None)
+        return False, None
+
+
+class OffloadingWorker(WorkerHalf):
+    def __init__(self, ctx: ConnectorContext, settings: OffloadingSettings, cpu: CPUTier, disk: DiskTier | None) -> None:
+        super().__init__(ctx)
+        self.cpu = cpu
+        self.disk = disk
+        self.block_size = ctx.identity.geometry.block_size
+        self.obt = settings.offload_block_tokens or self.block_size
+        self.errors: dict[int, str] = {}
+        self.stats = TransferStats()
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-disk") if disk is not None else None
+        self.pending_writes: list[Future] = []
+        self._staging: torch.Tensor | None = None
+
+    def register_kv_caches(self, kv_pages) -> None:
+        super().register_kv_caches(kv_pages)
+        refuse_geometry_mismatch(self.cpu.geometry, kv_pages.geometry, "OffloadingConnector CPU tier")
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty_like(self.cpu.slot(0))
+        return self._staging
+
+    def start_load_kv(self) -> None:
+        pages = self.kv_pages
+        bad_slots: set[int] = set()
+        for job in self._meta.loads:
+            t0 = time.perf_counter()
+            try:
+                if job.slot is not None and job.slot in bad_slots:
+                    raise KVRefused("its CPU tier slot failed to load earlier in this step")
+                buf = self.cpu.slot(job.slot) if job.slot is not None else self._staging_buffer()
+                if job.from_disk:
+                    if self.disk is None:
+                        raise KVRefused("block is not in the CPU tier and there is no disk tier")
+                    self.disk.read_into(job.key[:-4], buf)
+                # Re-check before a single byte enters the pages.
+                refuse_geometry_mismatch(self.cpu.geometry, pages.geometry, "OffloadingConnector load")
+                pages.scatter(job.block_ids, buf[job.first : job.first + len(job.block_ids)])
+                moved = len(job.block_ids) * pages.geometry.bytes_per_block
+                self.stats.bytes_loaded += moved
+                n = len(job.block_ids) * self.block_size
+                self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n
+            except KVRefused as e:
+                if job.slot is not None:
+                    bad_slots.add(job.slot)
+                self.stats.load_failures += 1
+                for b in job.block_ids:
+                    self.errors[b] = str(e)
+            finally:
+                if job.slot is not None:
+                    self.cpu.unpin(job.slot)
+                self.stats.load_s += time.perf_counter() - t0
+
+    def wait_for_save(self) -> None:
+        self.pending_writes = [f for f in self.pending_writes if not f.done()]
+        failed = {job.request_id for job in self._meta.loads if not self.errors.keys().isdisjoint(job.block_ids)}
+        for job in self._meta.stores:
+            if job.request_id in failed:
+                # Computed over KV that failed to load: never let it into a tier.
+                self.cpu.unpin(job.slot)
+                continue
+            t0 = time.perf_counter()
+            slot = self.cpu.slot(job.slot)
+            if job.copy_from_pages:
+                slot.copy_(self.kv_pages.gather(job.block_ids))
+                moved = len(job.block_ids) * self.kv_pages.geometry.bytes_per_block
+                self.stats.bytes_stored += moved
+                n = len(job.block_ids) * self.block_size
+                self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
+            self.stats.store_s += time.perf_counter() - t0
+            if job.write_to_disk and self.writer is not None:
+                self.pending_writes.append(self.writer.submit(self._write_through, job.key, job.slot))
+            else:
+                self.cpu.unpin(job.slot)
+
+    def _write_through(self, key: bytes, slot: int) -> None:
+        try:
+            self.disk.write(key[:-4], self.obt, self.cpu.slot(slot))
+        except Exception:  # noqa: BLE001 - a failed write-through only loses a cache entry
+            logger.exception("disk tier write failed")
+        finally:
+            self.cpu.unpin(slot)
+
+    def get_block_ids_with_load_errors(self) -> dict[int, str]:
+        errors, self.errors = self.errors, {}
+        return errors
+
+    def take_stats(self) -> TransferStats:
+        stats, self.stats = self.stats, TransferStats()
+        return stats
+
+    def flush(self) -> None:
+        """Wait until every queued disk write is on disk."""
+        for f in self.pending_writes:
+            f.result()
+        self.pending_writes = []
+
+    def shutdown(self) -> None:
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
+            self.pending_writes = []
+        if self.disk is not None:
+            self.disk.close()
+
+
+class OffloadingConnector(KVConnector):
+    scheduler_half = OffloadingScheduler
+    worker_half = OffloadingWorker
+    worker_devices = ("cpu", "cuda")
+
+    @classmethod
+    def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf]:
+        identity = ctx.identity
+        settings = parse_settings(dict(ctx.config.kv_connector_extra_config), identity.geometry.block_size)
+        obt = settings.offload_block_tokens
+        blocks_per_slot = obt // identity.geometry.block_size
+        cpu_bytes = settings.cpu_bytes_to_use
+        if cpu_bytes is None and settings.num_cpu_blocks is None:
+            cpu_bytes = DEFAULT_CPU_BYTES
+        cpu = make_cpu_tier(identity.geometry, blocks_per_slot, cpu_bytes, settings.num_cpu_blocks,
+                            pin_memory=identity.device_type == "cuda")
+        disk = None
+        if settings.root_dir:
+            disk = DiskTier(settings.root_dir, disk_identity(identity, obt), settings.fs_capacity_bytes)
+        return (
+            OffloadingScheduler(ctx, settings, cpu, disk),
+            OffloadingWorker(ctx, settings, cpu, disk),
+        )

@@ -1,0 +1,104 @@
+"""Engine core on the tiny model: batching, prefix caching and preemption never change greedy output."""
+
+import random
+
+import pytest
+
+from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n, seed=0, lo=5, hi=120):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_alone_equals_batched(make_engine):
+    ps = prompts(8)
+    alone = []
+    for p in ps:
+        engine = make_engine(enable_prefix_caching=False)
+        alone.append(engine.generate([p], GREEDY)[0].output_token_ids)
+    batched = make_engine(enable_prefix_caching=False).generate(ps, GREEDY)
+    assert [r.output_token_ids for r in batched] == alone
+
+
+def test_chunked_prefill_equals_one_shot(make_engine):
+    ps = prompts(3, seed=1, lo=200, hi=300)
+    whole = make_engine(max_num_batched_tokens=2048).generate(ps, GREEDY)
+    chunked = make_engine(max_num_batched_tokens=37).generate(ps, GREEDY)
+    assert [r.output_token_ids for r in whole] == [r.output_token_ids for r in chunked]
+
+
+def test_prefix_hit_equals_no_prefix_caching(make_engine):
+    p = prompts(1, seed=2, lo=100, hi=101)[0]
+    assert len(p) == 100
+    engine = make_engine()
+    first = engine.generate([p], GREEDY)[0]
+    second = engine.generate([p], GREEDY)[0]
+    assert first.stats.num_cached_tokens == 0
+    assert second.stats.num_cached_tokens == 96  # 6 full blocks of 16; the 4-token tail is computed
+    off = make_engine(enable_prefix_caching=False).generate([p], GREEDY)[0]
+    assert first.output_token_ids == second.output_token_ids == off.output_token_ids
+    assert off.stats.num_cached_tokens == 0
+
+
+def test_shared_prefix_in_one_batch(make_engine):
+    base = prompts(1, seed=3, lo=64, hi=65)[0]
+    ps = [base + [7, 8, 9], base + [10, 11]]
+    engine = make_engine()
+    engine.generate([base + [1]], GREEDY)
+    results = engine.generate(ps, GREEDY)
+    assert all(r.stats.num_cached_tokens == 64 for r in results)
+    ref = make_engine(enable_prefix_caching=False).generate(ps, GREEDY)
+    assert [r.output_token_ids for r in results] == [r.output_token_ids for r in ref]
+
+
+def test_preemption_keeps_output(make_engine):
+    ps = prompts(6, seed=4, lo=20, hi=60)
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = make_engine(enable_prefix_caching=False).generate(ps, sp)
+    # 10 blocks of 16 tokens cannot hold six requests of up to 100 tokens at once.
+    small = make_engine(num_gpu_blocks=10, enable_prefix_caching=False)
+    out = small.generate(ps, sp)
+    assert small.stats().num_preemptions > 0
+    assert [r.output_token_ids for r in out] == [r.output_token_ids for r in ref]
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    p = prompts(1, seed=5)[0]
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    a = make_engine().generate([p], sp)[0].output_token_ids
+    b = make_engine().generate([p, prompts(1, seed=6)[0]], [sp, GREEDY])[0].output_token_ids
+    assert a == b
+    c = make_engine().generate([p], SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True))[0]
+    assert c.output_token_ids != a
+
+
+def test_stop_strings_and_max_tokens(make_engine):
+    engine = make_engine()
+    text_prompt = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    r = engine.generate([text_prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(r.output_token_ids) == 5 and r.finish_reason == "length"
+    full = r.text
+    if len(full) > 2:
+        stop = full[1:3]
+        r2 = engine.generate([text_prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+        assert r2.finish_reason == "stop" and stop not in r2.text
+
+
+def test_bad_requests_are_refused(make_engine):
+    engine = make_engine(max_model_len=128)
+    with pytest.raises(InputError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(InputError, match="maximum model length"):
+        engine.add_request(list(range(3, 200)), GREEDY)
+    with pytest.raises(InputError, match="at least 1"):
+        SamplingParams(max_tokens=-1)
+    tiny = make_engine(num_gpu_blocks=2)
+    with pytest.raises(InputError, match="KV blocks"):
+        tiny.add_request(list(range(3, 60)), GREEDY)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        make_engine(max_model_len=10**7)
