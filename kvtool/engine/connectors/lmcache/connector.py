@@ -1,0 +1,391 @@
+"""LMCacheConnector: KV chunks in a remote LMCache server over the lm:// wire.
+
+Keys are LMCache's own (ChunkedTokenDatabase rules, keys.py), so a Python vLLM + LMCache peer
+and kvtool find each other's chunks. Chunk bytes are KV_2LTD `[2, L, tokens, kv_heads*head_dim]`,
+what LMCache inside vLLM writes. The scheduler half asks the server (EXIST) which leading
+chunks of a prompt it holds; the worker half GETs them into host buffers, checks each reply's
+format, dtype and shape against the pages, and scatters them; after the forward it gathers
+newly completed prompt chunks and PUTs them on a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
+import torch
+
+from kvtool.engine.connectors.base import (
+    ConnectorContext,
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    SchedulerHalf,
+    TransferStats,
+    WorkerHalf,
+)
+from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
+from kvtool.engine.connectors.lmcache.wire import (
+    ChunkHeader,
+    LMClient,
+    MemoryFormat,
+    kv_chunk_header,
+    parse_lm_url,
+    tensor_buffer,
+)
+from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
+from kvtool.engine.kv_pages import KVGeometry, refuse_geometry_mismatch
+
+logger = logging.getLogger("kvtool.lmcache")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 65432
+
+
+class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kv_connector_extra_config of the LMCacheConnector."""
+
+    host: str | None = None  # default KVTOOL_LMCACHE_HOST or 127.0.0.1
+    port: int | None = None  # default KVTOOL_LMCACHE_PORT or 65432
+    remote_url: str | None = None  # lm://HOST:PORT, an alternative to host/port
+    hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
+    chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
+    model_name: str | None = None  # default the --model string, as vLLM puts it in the key
+    world_size: int = 1
+    worker_id: int = 0
+    kv_dtype: str | None = None  # default the engine's KV dtype
+    offload_prompt_only: bool = True
+    save_unfull_chunk: bool = False
+    none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; unset = vLLM >= 0.29's default
+    connections: int = 4
+    timeout_s: float = 10.0
+
+
+# vLLM + LMCache spell some of these as lmcache.* keys.
+_ALIASES = {
+    "lmcache.remote_url": "remote_url",
+    "lmcache.chunk_size": "chunk_tokens",
+    "lmcache.pre_caching_hash_algorithm": "hash_algo",
+    "lmcache.save_unfull_chunk": "save_unfull_chunk",
+}
+
+
+def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int) -> tuple[LMCacheSettings, LMCacheKeySettings]:
+    doc = {_ALIASES.get(k, k): v for k, v in extra.items()}
+    try:
+        s = msgspec.convert(doc, LMCacheSettings)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid LMCacheConnector config: {e}") from None
+    if s.remote_url:
+        host, port = parse_lm_url(s.remote_url)
+        s = msgspec.structs.replace(s, host=host, port=port)
+    host = s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST
+    try:
+        port = s.port if s.port is not None else int(os.environ.get("KVTOOL_LMCACHE_PORT") or DEFAULT_PORT)
+    except ValueError:
+        raise ConfigError("KVTOOL_LMCACHE_PORT is not a port number") from None
+    algo = "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
+    chunk = s.chunk_tokens or (block_size if algo == "blake3" else 256)
+    if chunk % block_size:
+        raise ConfigError(
+            f"invalid LMCacheConnector config: chunk_tokens {chunk} is not a multiple of the block size {block_size}"
+        )
+    if s.connections < 1:
+        raise ConfigError("invalid LMCacheConnector config: connections must be >= 1")
+    key_settings = LMCacheKeySettings(
+        model_name=s.model_name or model_name,
+        world_size=s.world_size,
+        worker_id=s.worker_id,
+        kv_dtype=s.kv_dtype or kv_dtype,
+        chunk_tokens=chunk,
+        hash_algo=algo,
+        none_hash_seed=s.none_hash_seed,
+        save_unfull_chunk=s.save_unfull_chunk,
+    )
+    return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings
+
+
+class ChunkJob(msgspec.Struct, kw_only=True):
+    request_id: str
+    key: str
+    start: int  # first token of the chunk
+    end: int  # one past its last token
+    skip: int  # leading tokens of the chunk already in the pages (a local hit): not written
+    block_ids: list[int]  # engine blocks covering [start, end)
+
+
+class LMCacheMetadata(KVConnectorMetadata):
+    loads: list[ChunkJob] = []
+    stores: list[ChunkJob] = []
+
+
+def _request_keys(request, key_settings: LMCacheKeySettings):
+    tags = tags_from_request_configs(request.kv_transfer_params)
+    if request.cache_salt:
+        # LMCache's isolation tag for vLLM's cache_salt (a digest, never the salt itself).
+        tags["cachesalt"] = hashlib.sha256(request.cache_salt.encode()).hexdigest()[:16]
+    return make_chunk_keys(request.prompt_token_ids, key_settings, tags=tags or None)
+
+
+class LMCacheScheduler(SchedulerHalf):
+    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, key_settings: LMCacheKeySettings, client: LMClient) -> None:
+        super().__init__(ctx)
+        self.settings = settings
+        self.key_settings = key_settings
+        self.client = client
+        self.block_size = ctx.identity.geometry.block_size
+        self.cs = key_settings.chunk_tokens
+        self.keys: dict[str, list] = {}
+        # request id -> (local hit it was asked with, matched tokens); lookups hit the network once.
+        self.lookups: dict[str, tuple[int, int]] = {}
+        self.requests: dict = {}
+        self.next_store: dict[str, int] = {}
+        self.pending_loads: list[ChunkJob] = []
+
+    def _keys(self, request) -> list:
+        keys = self.keys.get(request.request_id)
+        if keys is None:
+            keys = self.keys[request.request_id] = _request_keys(request, self.key_settings)
+        return keys
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.is_kv_consumer:
+            return 0, False
+        cached = self.lookups.get(request.request_id)
+        if cached is not None and cached[0] == num_computed_tokens:
+            return cached[1], False
+        keys = self._keys(request)
+        first = num_computed_tokens // self.cs
+        # Whole chunks that end before the last prompt token (one token is always computed).
+        last = min((request.num_tokens - 1) // self.cs, len(keys))
+        matched = 0
+        if last > first:
+            try:
+                present = self.client.exist_many([k.key for k in keys[first:last] if k.end - k.start == self.cs])
+            except PeerError as e:
+                logger.warning("LMCache lookup failed, computing instead: %s", e)
+                present = []
+            n = 0
+            for hit in present:
+                if not hit:
+                    break
+                n += 1
+            matched = max(0, (first + n) * self.cs - num_computed_tokens)
+        self.lookups[request.request_id] = (num_computed_tokens, matched)
+        return matched, False
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.requests[request.request_id] = request
+        start = request.num_computed_tokens
+        end = start + num_external_tokens
+        # Chunks that come from the store need no storing back.
+        self.next_store[request.request_id] = max(self.next_store.get(request.request_id, 0), end // self.cs)
+        if num_external_tokens <= 0:
+            return
+        keys = self._keys(request)
+        bs = self.block_size
+        for i in range(start // self.cs, -(-end // self.cs)):
+            k = keys[i]
+            self.pending_loads.append(
+                ChunkJob(request_id=request.request_id, key=k.key, start=k.start, end=k.end,
+                         skip=max(0, start - k.start), block_ids=block_ids[k.start // bs : -(-k.end // bs)])
+            )
+
+    def build_connector_meta(self, scheduler_output) -> LMCacheMetadata:
+        stores: list[ChunkJob] = []
+        if self.config.is_kv_producer:
+            for s in scheduler_output.scheduled:
+                req = self.requests.get(s.request_id)
+                if req is not None:
+                    stores.extend(self._plan_stores(req, s))
+        meta = LMCacheMetadata(loads=self.pending_loads, stores=stores)
+        self.inflight_loads = self.pending_loads
+        self.pending_loads = []
+        return meta
+
+    def _plan_stores(self, req, s) -> list[ChunkJob]:
+        done = s.start + s.num_tokens
+        if self.settings.offload_prompt_only:
+            done = min(done, req.num_prompt_tokens)
+        keys = self._keys(req)
+        bs = self.block_size
+        jobs = []
+        i = self.next_store.get(req.request_id, 0)
+        while i < len(keys) and keys[i].end <= done:
+            k = keys[i]
+            jobs.append(ChunkJob(request_id=req.request_id, key=k.key, start=k.start, end=k.end, skip=0,
+                                 block_ids=s.block_ids[k.start // bs : -(-k.end // bs)]))
+            i += 1
+        self.next_store[req.request_id] = i
+        return jobs
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for job in getattr(self, "inflight_loads", []):
+            if not output.invalid_block_ids.isdisjoint(job.block_ids):
+                # Store again from the first bad chunk after a recompute; forget the stale lookup.
+                self.next_store[job.request_id] = min(self.next_store.get(job.request_id, 0), job.start // self.cs)
+                self.lookups.pop(job.request_id, None)
+        self.inflight_loads = []
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        for d in (self.keys, self.lookups, self.requests, self.next_store):
+            d.pop(rid, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+class LMCacheWorker(WorkerHalf):
+    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, client: LMClient) -> None:
+        super().__init__(ctx)
+        self.settings = settings
+        self.client = client
+        self.geometry: KVGeometry = ctx.identity.geometry
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.geometry.dtype]
+        self.pin = ctx.identity.device_type == "cuda"
+        self.errors: dict[int, str] = {}
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
+        self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
+        self.pending_puts: list[Future] = []
+
+    def _buffer(self, num_tokens: int) -> torch.Tensor:
+        g = self.geometry
+        # [2, L, T, H*D], pinned on CUDA engines so GETs land where the copy engine reads.
+        return torch.empty((2, g.num_layers, num_tokens, g.kv_hidden_size), dtype=self.dtype, pin_memory=self.pin)
+
+    def _expected(self, num_tokens: int) -> ChunkHeader:
+        g = self.geometry
+        return kv_chunk_header((2, g.num_layers, num_tokens, g.kv_hidden_size), self.dtype)
+
+    def start_load_kv(self) -> None:
+        loads = self._meta.loads
+        if not loads:
+            return
+        t0 = time.perf_counter()
+        bufs = [self._buffer(j.end - j.start) for j in loads]
+        items = [(j.key, tensor_buffer(b), None) for j, b in zip(loads, bufs)]
+        results = self.client.get_many_into(items)
+        pages = self.kv_pages
+        bs = self.geometry.block_size
+        for job, buf, result in zip(loads, bufs, results):
+            try:
+                if result is None:
+                    raise KVRefused(f"chunk {job.key} is no longer on the LMCache server (was it restarted?)")
+                if isinstance(result, KVToolError):
+                    raise result
+                self._refuse_reply(result, job)
+                # Only the tokens beyond the local hit; that hit is block-aligned.
+                first_block = job.skip // bs
+                pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", job.end - job.start - job.skip)
+                n = job.end - job.start - job.skip
+                self.stats.bytes_loaded += result.length
+                self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n
+            except KVToolError as e:
+                self.stats.load_failures += 1
+                for b in job.block_ids[job.skip // bs :]:
+                    self.errors[b] = str(e)
+        self.stats.load_s += time.perf_counter() - t0
+
+    def _refuse_reply(self, header: ChunkHeader, job: ChunkJob) -> None:
+        """A chunk is scattered only when its format, dtype and shape fit the engine's pages."""
+        expected = self._expected(job.end - job.start)
+        if header.fmt != MemoryFormat.KV_2LTD:
+            raise KVRefused(f"chunk {job.key} has memory format {header.fmt}, not KV_2LTD")
+        if header.dtype_code != expected.dtype_code:
+            raise KVRefused(f"chunk {job.key} has dtype code {header.dtype_code}, the pages need {expected.dtype_code}")
+        if len(header.shape) == 4 and header.shape[0] == 2:
+            _, layers, tokens, hidden = header.shape
+            heads = hidden // self.geometry.head_dim if hidden % self.geometry.head_dim == 0 else -1
+            recorded = msgspec.structs.replace(self.geometry, num_layers=layers, num_kv_heads=heads)
+            refuse_geometry_mismatch(recorded, self.geometry, f"LMCache chunk {job.key}")
+            if tokens != job.end - job.start:
+                raise KVRefused(f"chunk {job.key} holds {tokens} tokens, expected {job.end - job.start}")
+        if tuple(header.shape) != expected.shape or header.length != expected.length:
+            raise KVRefused(f"chunk {job.key} has shape {list(header.shape)}, expected {list(expected.shape)}")
+
+    def wait_for_save(self) -> None:
+        stores = self._meta.stores
+        failed = {j.request_id for j in self._meta.loads if not self.errors.keys().isdisjoint(j.block_ids)}
+        items = []
+        t0 = time.perf_counter()
+        for job in stores:
+            if job.request_id in failed:
+                continue  # computed over KV that failed to load: never store it
+            n = job.end - job.start
+            data = self.kv_pages.gather(job.block_ids, "KV_2LTD", n)
+            buf = data.cpu() if data.device.type != "cpu" else data
+            items.append((job, buf))
+        with self._stats_lock:
+            self.stats.store_s += time.perf_counter() - t0
+        if items:
+            self.pending_puts = [f for f in self.pending_puts if not f.done()]
+            self.pending_puts.append(self.putter.submit(self._put, items))
+
+    def _put(self, items: list[tuple[ChunkJob, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        batch = [(job.key, tensor_buffer(buf), self._expected(job.end - job.start)) for job, buf in items]
+        ok = self.client.put_many(batch)
+        with self._stats_lock:
+            for (job, buf), stored in zip(items, ok):
+                if stored:
+                    self.stats.bytes_stored += buf.numel() * buf.element_size()
+                    n = job.end - job.start
+                    self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
+            self.stats.store_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Wait until every queued PUT was confirmed (or failed)."""
+        for f in self.pending_puts:
+            f.result()
+        self.pending_puts = []
+
+    def get_block_ids_with_load_errors(self) -> dict[int, str]:
+        errors, self.errors = self.errors, {}
+        return errors
+
+    def take_stats(self) -> TransferStats:
+        with self._stats_lock:
+            stats, self.stats = self.stats, TransferStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self.putter.shutdown(wait=True)
+        self.client.close()
+
+
+class LMCacheConnector(KVConnector):
+    scheduler_half = LMCacheScheduler
+    worker_half = LMCacheWorker
+    worker_devices = ("cpu", "cuda")
+
+    @classmethod
+    def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf]:
+        identity = ctx.identity
+        settings, key_settings = parse_settings(
+            dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype, identity.geometry.block_size
+        )
+        assert settings.host is not None and settings.port is not None
+        # Each half has its own client: the halves share no state, only the server.
+        lookup_client = LMClient(settings.host, settings.port, connections=1, timeout_s=settings.timeout_s)
+        if not lookup_client.health():
+            where = f"lm://{settings.host}:{settings.port}"
+            if ctx.config.kv_load_failure_policy == "fail":
+                lookup_client.close()
+                raise PeerError(
+                    f"cannot reach the LMCache server at {where}; start it or use "
+                    '"kv_load_failure_policy": "recompute" to run without it'
+                )
+            logger.warning("LMCache server at %s is not reachable; prompts are computed until it is", where)
+        worker_client = LMClient(settings.host, settings.port, connections=settings.connections, timeout_s=settings.timeout_s)
+        return (
+            LMCacheScheduler(ctx, settings, key_settings, lookup_client),
+            LMCacheWorker(ctx, settings, worker_client),
+        )
