@@ -51,9 +51,10 @@ def _register_optional() -> None:
 _register_optional()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI (argv defaults to sys.argv[1:]); always ends with SystemExit."""
     try:
-        app()
+        app(args=argv, prog_name="kvtool")
     except KVToolError as e:
         if os.environ.get("KVTOOL_DEBUG") == "1":
             raise

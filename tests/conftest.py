@@ -59,3 +59,19 @@ def cli_env(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture
+def run_kvtool(capsys):
+    """Run the kvtool CLI in this process: returns (exit code, stdout, stderr)."""
+    from kvtool.cli import main
+
+    def run(args: list[str]) -> tuple[int, str, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in args])
+        out = capsys.readouterr()
+        code = exit_info.value.code
+        return (0 if code is None else int(code)), out.out, out.err
+
+    return run
