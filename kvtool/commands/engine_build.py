@@ -4,13 +4,13 @@ import contextlib
 from collections.abc import Iterator
 
 from kvtool.commands import render
-from kvtool.engine.engine import LLMEngine
 from kvtool.engine.params import EngineParams
 
 
 @contextlib.contextmanager
-def open_engine(params: EngineParams, show_progress: bool = True) -> Iterator[LLMEngine]:
-    """An engine that is closed (pending stores written) when the block ends."""
+def open_engine(params: EngineParams, show_progress: bool = True) -> Iterator:
+    """An LLMEngine that is closed (pending stores written) when the block ends."""
+    from kvtool.engine.engine import LLMEngine  # torch is imported only by commands that run a model
     with render.progress_bar("Converting SmolLM2-135M-Instruct", enabled=show_progress) as bar:
         announced = []
 

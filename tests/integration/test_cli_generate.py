@@ -82,3 +82,14 @@ def test_bad_input_in_a_real_process(tmp_path, cli_env):
     out = run(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"], cli_env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"error: model directory not found: {tmp_path / 'nope'}"]
+
+
+def test_default_model_answers_the_chat_question(run_kvtool):
+    """No --model: the embedded SmolLM2-135M-Instruct, through its chat template, greedy."""
+    code, stdout, stderr = run_kvtool(
+        ["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "20", "--json"]
+    )
+    assert code == 0, stderr
+    r = json.loads(stdout)["requests"][0]
+    assert r["text"].strip() == "The capital of France is Paris."
+    assert r["finish_reason"] == "stop"
