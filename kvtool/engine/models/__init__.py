@@ -1,0 +1,208 @@
+"""Building a model from a directory: pick the class from config.architecture, then load the
+safetensors weights (one file or sharded) straight onto the device, or make dummy weights there.
+
+Every safetensors header is checked against the model before a byte of tensor data is read: a
+truncated or corrupt file, an unexpected or duplicate tensor, a shape mismatch and a missing tensor
+are each refused with a one-line ModelError naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvtool.engine.errors import ModelError
+from kvtool.engine.model_dir import ModelConfig, ModelDir, weight_files
+from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
+from kvtool.engine.models.llama import LlamaForCausalLM
+from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["CausalLM", "MODEL_CLASSES", "build_model", "iter_dummy_tensors", "parameter_shapes", "read_safetensors_header"]
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# Buffers some older checkpoints carry; we recompute them. (A tied model's saved lm_head copy is
+# skipped in _load_safetensors.)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build_model(
+    source: ModelDir | ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> CausalLM:
+    """Create the model for `source` on `device` in `dtype`, in eval mode without gradients.
+
+    load_format "auto" reads the directory's safetensors (a ModelDir is required); "dummy" fills
+    every parameter with random values made on `device` from a generator seeded with `seed`, so
+    the same seed on the same device gives the same model. Raises ModelError for an unsupported
+    architecture or any weight-file problem (one line naming the file and tensor).
+    """
+    config = source.config if isinstance(source, ModelDir) else source
+    device = torch.device(device)
+    cls = _model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    _materialize(model, device, dtype)
+    model.eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        if load_format == "dummy":
+            for name, value in iter_dummy_tensors(config, device, seed):
+                params[name].copy_(value)
+        elif load_format == "auto":
+            if not isinstance(source, ModelDir):
+                raise ModelError("--load-format auto needs a model directory with safetensors weights")
+            _load_safetensors(source.path, config, params, device)
+        else:
+            raise ModelError(f"unknown load format {load_format!r} (auto or dummy)")
+    return model
+
+
+def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    # Allocate each meta parameter directly (uninitialised; it is filled right after). Unlike
+    # Module.to_empty this runs no meta-tensor op, which would import torch's compiler stack.
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
+        if isinstance(module, RotaryEmbedding):
+            module.reset_inv_freq(device)
+
+
+def _model_class(config: ModelConfig) -> type[CausalLM]:
+    cls = MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise ModelError(
+            f"unsupported architecture {config.architecture!r} (supported: {', '.join(MODEL_CLASSES)})"
+        )
+    return cls
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF weight name -> shape of every parameter the model for `config` has, in module order."""
+    with torch.device("meta"):
+        model = _model_class(config)(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def iter_dummy_tensors(config: ModelConfig, device: torch.device | str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) for every parameter, drawn in module order from one seeded generator.
+
+    Scales are chosen so a random model behaves like a trained one numerically: matrices
+    ~ N(0, 1/fan_in) (logits and attention scores of order one, so RoPE and masking errors show
+    in the outputs), norm weights ~ 1 + N(0, 0.1^2) (a mis-loaded norm shows too), biases ~ N(0, 0.1^2).
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in parameter_shapes(config).items():
+        values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * values
+        elif name.endswith(".bias"):
+            values = 0.1 * values
+        else:
+            values = values / math.sqrt(shape[-1])
+        yield name, values
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {dtype, shape, data_offsets} of one safetensors file, checked against its size.
+
+    Reads only the header. Raises ModelError naming the file (and the tensor) when the file is
+    truncated, its header is not valid JSON, or a tensor's byte range does not fit its shape.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise ModelError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise ModelError(
+                    f"{path}: truncated safetensors file (header of {header_len} bytes, file of {size} bytes)"
+                )
+            raw = fh.read(header_len)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ModelError(f"{path}: corrupt safetensors header (not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - header_len
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
+        if end > data_bytes:
+            raise ModelError(
+                f"{path}: truncated safetensors file: tensor {name!r} needs bytes {start}..{end} "
+                f"of the data but only {data_bytes} are present"
+            )
+        itemsize = _SAFETENSORS_ITEMSIZE.get(dtype)
+        if itemsize is not None and end - start != math.prod(shape) * itemsize:
+            raise ModelError(f"{path}: corrupt safetensors header: tensor {name!r} has {end - start} bytes for shape {shape}")
+    return header
+
+
+def _load_safetensors(root: Path, config: ModelConfig, params: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+    files, weight_map = weight_files(root)
+    # Check every header against the model before reading tensor data.
+    found: dict[str, Path] = {}
+    headers: dict[Path, dict[str, dict[str, Any]]] = {}
+    for path in files:
+        header = read_safetensors_header(path)
+        headers[path] = header
+        for name, info in header.items():
+            if name not in params:
+                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                raise ModelError(f"{path}: unexpected tensor {name!r} (not a parameter of {config.architecture})")
+            if name in found:
+                raise ModelError(f"{path}: tensor {name!r} is also in {found[name].name}")
+            if info["dtype"] not in _SAFETENSORS_ITEMSIZE:
+                raise ModelError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float type")
+            expected = list(params[name].shape)
+            if list(info["shape"]) != expected:
+                raise ModelError(
+                    f"{path}: tensor {name!r} has shape {list(info['shape'])}, config.json implies {expected}"
+                )
+            if weight_map is not None and weight_map.get(name) not in (None, path.name):
+                raise ModelError(f"{path}: tensor {name!r} is here but the index places it in {weight_map[name]}")
+            found[name] = path
+    missing = [name for name in params if name not in found]
+    if missing:
+        where = ", ".join(p.name for p in files)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(f"{root}: tensor {missing[0]!r}{more} is missing from the weights ({where})")
+
+    # Read each file straight onto the device; copy_ converts to the model's dtype.
+    open_device = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
+    for path, header in headers.items():
+        try:
+            with safe_open(str(path), framework="pt", device=open_device) as f:
+                for name in header:
+                    if found.get(name) == path:
+                        params[name].copy_(f.get_tensor(name))
+        except ModelError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for unreadable data
+            raise ModelError(f"{path}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,166 @@
+"""Pieces shared by the decoder-only models: RMSNorm, rotary embedding (llama3 scaling), gated MLP,
+and the decoder skeleton that each model file fills with its own attention.
+
+Every operation follows transformers' reference order (float32 norm statistics, cos/sin in float32
+then cast, `x * cos + rotate_half(x) * sin`) so float32 logits match it to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtool.engine.model_dir import ModelConfig
+
+
+class Embedding(nn.Module):
+    """Token embedding without nn.Embedding's random init: weights always come from a file or a seed,
+    and normal_ on the meta device would pull in torch's compiler stack (seconds of import)."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, dim]."""
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dim in float32, then scale. Returns x's shape and dtype."""
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of RoPE on CPU in float32, with llama3 scaling when given. Returns [head_dim // 2]."""
+    # Explicitly on CPU, also inside a `torch.device("meta")` block: meta ops would import torch's compiler.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of one forward; computed per step from a [D/2] buffer."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset_inv_freq(self, device: torch.device) -> None:
+        """Recompute the float32 buffer on `device` (a model built on the meta device has none)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions [T]. Returns ([T, D], [T, D]) in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, D] (the half-split convention of HF checkpoints). Returns [T, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU. [T, hidden] -> [T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-norm attention and MLP blocks with residuals. [T, hidden] -> [T, hidden]."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
+
+    def __init__(self, config: ModelConfig, attention_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention_cls(config, i)) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over the paged KV cache. Subclasses name their attention class.
+
+    Interface the runner relies on: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`
+    (packed tokens of every scheduled sequence, attention metadata from the step's context) and
+    `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
+    """
+
+    attention_cls: type[nn.Module]
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.attention_cls)
+        # Tied models read the embedding matrix as the output projection; no lm_head parameter exists.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T], [T] -> [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
