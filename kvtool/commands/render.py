@@ -31,17 +31,29 @@ def warn(message: str) -> None:
 
 @contextlib.contextmanager
 def progress_bar(description: str, enabled: bool = True) -> Iterator:
-    """Yields a callback(stage: str, fraction: float) drawing a bar on stderr (no-op when disabled)."""
+    """Yields a callback(stage: str, fraction: float) drawing a bar on stderr.
+
+    The bar appears at the first call only, so work that reports no progress leaves stderr
+    untouched (an error after it stays one line). A no-op when disabled.
+    """
     if not enabled:
         yield lambda stage, fraction: None
         return
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-        console=stderr, transient=True,
-    ) as bar:
-        task = bar.add_task(description, total=1.0)
+    state: dict = {}
 
-        def update(stage: str, fraction: float) -> None:
-            bar.update(task, completed=fraction, description=f"{description}: {stage}" if stage else description)
+    def update(stage: str, fraction: float) -> None:
+        if "bar" not in state:
+            bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                TimeElapsedColumn(), console=stderr, transient=True,
+            )
+            bar.start()
+            state["bar"], state["task"] = bar, bar.add_task(description, total=1.0)
+        label = f"{description}: {stage}" if stage else description
+        state["bar"].update(state["task"], completed=fraction, description=label)
 
+    try:
         yield update
+    finally:
+        if "bar" in state:
+            state["bar"].stop()

@@ -21,20 +21,18 @@ def paged_attention_reference(
     for s in meta.seqs:
         k, v = meta.kv_pages.read_layer(layer, s.block_ids, s.ctx_len)  # [C, Hkv, D]
         qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, Q, D]
-        group = num_heads // k.shape[1]
         k = k.transpose(0, 1).to(q.dtype)
         v = v.transpose(0, 1).to(q.dtype)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
+        # Grouped-query attention inside SDPA, as transformers computes it (same rounding).
+        gqa = num_heads != k.shape[0]
         if s.q_len == s.ctx_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         elif s.q_len == 1:
-            o = F.scaled_dot_product_attention(qs, k, v, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
         else:
             pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
             pos_k = torch.arange(s.ctx_len, device=q.device)
             mask = pos_k[None, :] <= pos_q[:, None]  # [Q, C]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
     return out

@@ -1,0 +1,136 @@
+"""`kvtool serve`: an OpenAI-compatible HTTP server over the engine, with KV metrics."""
+
+import logging
+import socket
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.commands import render
+from kvtool.commands.engine_build import open_engine
+from kvtool.commands.options import with_engine_options
+from kvtool.engine.errors import ConfigError
+from kvtool.engine.params import EngineParams
+
+# After SIGINT/SIGTERM, requests in flight get this long to finish; the rest are aborted.
+GRACEFUL_SHUTDOWN_S = 2.0
+# uvicorn cancels what is still running this much later (the engine loop's aborts normally end it first).
+_UVICORN_SHUTDOWN_BACKSTOP_S = 5.0
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@with_engine_options
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free port, shown when ready).")] = 8000,
+    served_model_name: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--served-model-name", help="The name clients put in `model` (repeat for aliases). Default: the --model value."
+        ),
+    ] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option("--api-key", envvar="KVTOOL_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes."),
+    ] = None,
+    uvicorn_log_level: Annotated[
+        str, typer.Option("--uvicorn-log-level", help="critical, error, warning, info, debug or trace.")
+    ] = "info",
+    *,
+    engine: EngineParams,
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), /health and /metrics.
+
+    Prints one line on stderr with the URL once it accepts requests.
+
+    SIGINT or SIGTERM stops it: requests in flight get a moment to finish, the rest are aborted,
+    and pending KV stores are written.
+
+    Examples:
+      kvtool serve
+      kvtool serve --model DIR --port 8001 --served-model-name qwen3 --api-key secret
+      kvtool serve --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'
+    """
+    import uvicorn
+
+    from kvtool.server import ServerSettings, create_app
+
+    if uvicorn_log_level not in UVICORN_LOG_LEVELS:
+        raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {uvicorn_log_level!r}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be between 0 and 65535, got {port}")
+    if api_key is not None and not api_key:
+        raise ConfigError("--api-key must not be empty")
+    _log_to_stderr(uvicorn_log_level)
+    # Bind before loading the model, so a taken port fails at once; listen only once it is loaded.
+    sock = _bind(host, port)
+    try:
+        with open_engine(engine) as llm:
+            from kvtool.engine.engine import DEFAULT_MODEL_NAME
+
+            model = engine.model if engine.model is not None else DEFAULT_MODEL_NAME
+            settings = ServerSettings(served_model_names=served_model_name or [model], model_root=model, api_key=api_key)
+            url = _url(sock)
+            server: uvicorn.Server | None = None
+            app = create_app(
+                llm, settings,
+                on_ready=lambda: render.info(f"kvtool serve ready at {url}"),
+                shutdown_requested=lambda: server is not None and server.should_exit,
+                grace_s=GRACEFUL_SHUTDOWN_S,
+            )
+            config = uvicorn.Config(
+                app, log_level=uvicorn_log_level, log_config=_uvicorn_log_config(), lifespan="on",
+                timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S + _UVICORN_SHUTDOWN_BACKSTOP_S),
+            )
+            server = uvicorn.Server(config)
+            sock.listen(2048)
+            try:
+                server.run(sockets=[sock])
+            finally:
+                # Normally done at lifespan shutdown already; a forced exit (second Ctrl-C) skips that.
+                app.state.engine_loop.shutdown()
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_log_config() -> dict:
+    """uvicorn's logging setup with the access log on stderr too: stdout carries only data."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
+def _log_to_stderr(uvicorn_level: str) -> None:
+    """kvtool's own loggers (engine loop, connectors) write to stderr beside uvicorn's."""
+    logger = logging.getLogger("kvtool")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel("DEBUG" if uvicorn_level == "trace" else uvicorn_level.upper())

@@ -1,0 +1,370 @@
+"""The engine loop: one thread steps the engine for every HTTP request at once.
+
+HTTP handlers never touch the engine. They put commands (add, abort, stop) on a thread-safe
+queue; the loop drains it before each step, so requests from different connections are
+batched together (continuous batching). Each request's events go back to an EventSink: an
+asyncio queue filled through `loop.call_soon_threadsafe`, so the event loop is never blocked by
+a step and the engine is only ever used by the loop thread.
+
+    HTTP handler ──add/abort──> commands queue ──> loop thread: drain, engine.step(), dispatch
+         ^                                                                          │
+         └────────────── EventSink (asyncio.Queue) <── call_soon_threadsafe ────────┘
+
+Events of one request, in order: Accepted or Rejected; then Tokens (streaming requests only,
+one per step that produced tokens); then Finished. Failed takes the place of Accepted or of
+Finished when the loop cannot run the request: it is shutting down, or the engine raised.
+
+Shutdown: drain(grace_s) refuses new requests and aborts those still running grace_s seconds
+later (they end with Finished, finish_reason "abort", so streams close properly); shutdown()
+aborts whatever is left, calls engine.close() (which waits for pending KV stores) on the loop
+thread, and joins it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtool.engine.errors import KVToolError
+from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
+from kvtool.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtool.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationJob:
+    """One request for the engine, already tokenized and validated by the HTTP side."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    # True: a Tokens event per step; False: only the Finished event.
+    stream: bool = False
+
+
+# ---- events (loop thread -> HTTP side) ---------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Accepted:
+    """The engine queued the request."""
+
+
+@dataclass(slots=True)
+class Rejected:
+    """The engine refused the request (an InputError: too long, bad token ids, ...)."""
+
+    error: KVToolError
+
+
+@dataclass(slots=True)
+class Tokens:
+    """New output tokens of a streaming request (never the last ones: those come with Finished)."""
+
+    token_ids: list[int]
+    # One {token id: logprob} per token when the request asked for logprobs.
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass(slots=True)
+class Finished:
+    """The request ended; `result` holds every output token, the final text and the stats."""
+
+    result: RequestResult
+    stop_reason: str | int | None
+    kv_transfer_params: dict | None
+
+
+@dataclass(slots=True)
+class Failed:
+    """The loop could not run the request to an end."""
+
+    message: str
+    # True: the server is shutting down (try again elsewhere); False: the engine failed.
+    is_shutdown: bool
+
+
+Event = Accepted | Rejected | Tokens | Finished | Failed
+
+
+class EventSink:
+    """The asyncio end of one request's events. Create it on the event loop thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event: object) -> None:
+        """Thread-safe; a no-op once the event loop has closed (nobody is listening then)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def put_nowait(self, event: object) -> None:
+        """From the event loop thread itself (e.g. a disconnect watcher)."""
+        self._queue.put_nowait(event)
+
+    async def get(self) -> object:
+        return await self._queue.get()
+
+
+# ---- commands (HTTP side -> loop thread) -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Add:
+    job: GenerationJob
+    sink: EventSink
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Drain:
+    deadline: float  # time.monotonic() after which requests still in flight are aborted
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class _Tracked:
+    job: GenerationJob
+    sink: EventSink
+    num_sent_tokens: int = 0
+
+
+class EngineLoop:
+    """Owns an LLMEngine from start() on: only the loop thread calls it, and it closes it at the end.
+
+    on_finished(result) is called on the loop thread for every request that ends (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestResult], None] | None = None) -> None:
+        self._engine = engine
+        self.on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()  # guards _accepting against add() racing the loop's exit
+        self._accepting = False
+        self._draining = False
+        self._deadline: float | None = None  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._stats = msgspec.structs.replace(engine.stats())
+        self._num_in_flight = 0
+        self.error: str | None = None
+        # Read-only facts the HTTP side needs (copied, so it never reads the engine).
+        self.max_model_len: int = engine.max_model_len
+
+    # ---- HTTP side ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._accepting = True
+            self._thread = threading.Thread(target=self._run, name="kvtool-engine-loop", daemon=True)
+            self._thread.start()
+
+    def add(self, job: GenerationJob, sink: EventSink) -> None:
+        """Queue a request. Its events arrive on `sink`: Accepted or Rejected first, or Failed."""
+        with self._lock:
+            if self._accepting and not self._draining:
+                self._commands.put(_Add(job, sink))
+                return
+        sink.put(self._failed())
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its client went away); unknown or finished ids are ignored."""
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's totals as of the end of the last step (a copy; safe from any thread)."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def is_running(self) -> bool:
+        return self._accepting and not self._draining and self.error is None
+
+    def drain(self, grace_s: float) -> None:
+        """Begin a graceful shutdown: refuse new requests now (their sinks get Failed), let those in
+        flight run for up to grace_s seconds, then abort the rest (Finished, finish_reason "abort")."""
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+        self._commands.put(_Drain(time.monotonic() + grace_s))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop: requests still in flight are aborted (their sinks get Finished with
+        finish_reason "abort"), then engine.close() waits for pending KV stores. Idempotent."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._commands.put(_Stop())
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the engine loop did not stop within %.1f s", timeout)
+
+    # ---- loop thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while self._drain(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    self._dispatch(engine.step())
+                if not engine.has_unfinished_requests() and self._tracked:
+                    self._finish_stragglers()
+                if self._deadline is not None and self._tracked and time.monotonic() >= self._deadline:
+                    logger.info("aborting %d request(s) still running at shutdown", len(self._tracked))
+                    for request_id in list(self._tracked):
+                        self._abort(request_id)
+                self._stats = msgspec.structs.replace(engine.stats())
+        except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
+            logger.exception("the engine loop failed; refusing new requests")
+            self.error = f"the engine failed: {type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._end_all()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; wait for one first when `block`. False once a stop arrives."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id)
+            else:
+                self._deadline = cmd.deadline
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        job = cmd.job
+        try:
+            self._engine.add_request(
+                job.prompt_token_ids,
+                job.sampling,
+                request_id=job.request_id,
+                cache_salt=job.cache_salt,
+                kv_transfer_params=job.kv_transfer_params,
+            )
+        except KVToolError as e:
+            cmd.sink.put(Rejected(e))
+            return
+        self._tracked[job.request_id] = _Tracked(job, cmd.sink)
+        self._num_in_flight = len(self._tracked)
+        cmd.sink.put(Accepted())
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self._tracked:
+            return
+        self._engine.abort_request(request_id)
+        self._finish(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        engine = self._engine
+        for out in outputs:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                continue
+            if out.finished:
+                self._finish(out.request_id)
+            elif t.job.stream and out.new_token_ids:
+                logprobs = None
+                if t.job.sampling.logprobs is not None:
+                    req = engine.request_view(out.request_id)
+                    end = t.num_sent_tokens + len(out.new_token_ids)
+                    logprobs = req.logprobs[t.num_sent_tokens : end] if req is not None else None
+                t.num_sent_tokens += len(out.new_token_ids)
+                t.sink.put(Tokens(list(out.new_token_ids), logprobs))
+
+    def _finish(self, request_id: str) -> None:
+        t = self._tracked.pop(request_id)
+        self._num_in_flight = len(self._tracked)
+        req = self._engine.request_view(request_id)
+        stop_reason = req.stop_reason if req is not None else None
+        kv_params = (req.kv_transfer_params or None) if req is not None else None
+        result = self._engine.pop_result(request_id)
+        if self.on_finished is not None:
+            try:
+                self.on_finished(result)
+            except Exception:  # noqa: BLE001 - metrics must not take the loop down
+                logger.exception("on_finished callback failed")
+        t.sink.put(Finished(result, stop_reason, kv_params))
+
+    def _finish_stragglers(self) -> None:
+        # The engine is idle but some request never reported its end: end it rather than hang its client.
+        for request_id in list(self._tracked):
+            logger.warning("request %s ended without a final output", request_id)
+            self._engine.abort_request(request_id)
+            self._finish(request_id)
+
+    def _failed(self) -> Failed:
+        if self.error is not None:
+            return Failed(self.error, is_shutdown=False)
+        return Failed("the server is shutting down", is_shutdown=True)
+
+    def _end_all(self) -> None:
+        """Abort what is in flight, fail what is still queued, close the engine.
+
+        After a normal stop, requests in flight end as aborted; after an engine failure they fail.
+        """
+        engine = self._engine
+        for request_id in list(self._tracked):
+            if self.error is None:
+                try:
+                    engine.abort_request(request_id)
+                    self._finish(request_id)
+                    continue
+                except Exception:  # noqa: BLE001
+                    logger.exception("aborting request %s at shutdown failed", request_id)
+            t = self._tracked.pop(request_id, None)
+            if t is not None:
+                t.sink.put(self._failed())
+        self._num_in_flight = 0
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.sink.put(self._failed())
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("closing the engine failed (pending KV stores may be lost)")
