@@ -47,9 +47,6 @@ from kvtool.server.engine_loop import (
 )
 from kvtool.server.metrics import ServerMetrics
 from kvtool.server.protocol import (
-
-if TYPE_CHECKING:
-    from kvtool.engine.engine import LLMEngine
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -71,6 +68,9 @@ if TYPE_CHECKING:
     TopLogprob,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from kvtool.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
