@@ -14,18 +14,13 @@ side effects.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import msgspec
-import torch
 import typer
 from msgspec import UNSET, UnsetType
 from rich.table import Table
@@ -33,21 +28,14 @@ from rich.table import Table
 from kvtool.commands import render
 from kvtool.commands.options import JsonOpt, ModelOpt
 from kvtool.engine.connectors.lmcache.keys import ChunkKey, LMCacheKeySettings, make_chunk_keys
-from kvtool.engine.connectors.lmcache.wire import (
-    ChunkHeader,
-    LMClient,
-    MemoryFormat,
-    parse_lm_url,
-    tensor_buffer,
-    torch_dtype_from_code,
-)
-from kvtool.engine.default_model import is_default_model_ready
-from kvtool.engine.engine import DEFAULT_MODEL_NAME, resolve_model_path
+from kvtool.engine.default_model import DEFAULT_MODEL_NAME, is_default_model_ready, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError, PeerError
-from kvtool.engine.model_dir import ModelConfig, ModelDir, open_model_dir
-from kvtool.peer import peer_env, peer_script
+from kvtool.engine.model_dir import ModelDir, open_model_dir
 from kvtool.peer import peer_python as default_peer_python
+from kvtool.peer.compare import KeyComparison, compare_with_peer, lmcache_request
 
+if TYPE_CHECKING:  # the probe needs torch, which only --peer should import
+    from kvtool.engine.connectors.lmcache.probe import ChunkProbe
 
 _TOKEN_LINE = re.compile(r"[0-9]+")
 
@@ -184,338 +172,7 @@ def build_key_report(tokens: Sequence[int], settings: LMCacheKeySettings) -> lis
 # ----------------------------------------------------------------------------- against LMCache
 
 
-class KeyAgreement(msgspec.Struct, frozen=True, kw_only=True):
-    """Chunk i of one sequence as kvtool and LMCache key it."""
-
-    start: int  # kvtool's chunk bounds (LMCache's when kvtool has no chunk i)
-    end: int
-    key: str | None  # kvtool's key; None when only LMCache keyed chunk i
-    lmcache_key: str | None  # LMCache's key; None when only kvtool keyed chunk i
-    agrees: bool  # both keyed chunk i, with the same bounds and the same key
-
-
-class KeyComparison(msgspec.Struct, frozen=True, kw_only=True):
-    """kvtool's keys against LMCache's for one setting, per sequence, chunk by chunk."""
-
-    lmcache_hash_func: str  # the function LMCache resolved ("sha256_cbor"; "hash" is builtin)
-    lmcache_none_hash: int  # the chain start LMCache used
-    sequences: list[list[KeyAgreement]]  # one list per sequence, in chunk order
-
-    @property
-    def num_disagreeing(self) -> int:
-        return sum(not chunk.agrees for chunks in self.sequences for chunk in chunks)
-
-    @property
-    def all_agree(self) -> bool:
-        return self.num_disagreeing == 0
-
-
-class _PeerAnswer(msgspec.Struct, frozen=True):
-    """What `kvtool/peer/lmcache_keys.py` prints for one request."""
-
-    keys: list[list[tuple[int, int, str]]]
-    none_hash: int
-    hash_func: str
-
-
-def compare_keys(
-    ours: Sequence[Sequence[ChunkKey]],
-    theirs: Sequence[Sequence[tuple[int, int, str]]],
-) -> list[list[KeyAgreement]]:
-    """Pair kvtool's chunks with LMCache's `(start, end, key)` chunk by chunk, per sequence.
-
-    Pure. A chunk only one side has (different counts) is paired with None and disagrees.
-    Raises PeerError when the two sides hold different numbers of sequences.
-    """
-    if len(ours) != len(theirs):
-        raise PeerError(f"LMCache answered for {len(theirs)} sequences, {len(ours)} were asked")
-    result = []
-    for our_chunks, their_chunks in zip(ours, theirs):
-        rows = []
-        for i in range(max(len(our_chunks), len(their_chunks))):
-            mine = our_chunks[i] if i < len(our_chunks) else None
-            peer = tuple(their_chunks[i]) if i < len(their_chunks) else None
-            start, end = (mine.start, mine.end) if mine is not None else peer[:2]
-            rows.append(
-                KeyAgreement(
-                    start=start,
-                    end=end,
-                    key=mine.key if mine is not None else None,
-                    lmcache_key=peer[2] if peer is not None else None,
-                    agrees=mine is not None and peer == (mine.start, mine.end, mine.key),
-                )
-            )
-        result.append(rows)
-    return result
-
-
-def lmcache_request(sequences: Sequence[Sequence[int]], settings: LMCacheKeySettings) -> dict:
-    """The `lmcache_keys.py` request that makes LMCache key `sequences` as `settings` describe.
-
-    Raises ConfigError for kvtool's `blake3` mode, which LMCache does not have.
-    """
-    algo = settings.hash_algo
-    if algo not in _LMCACHE_HASH_ALGO:
-        raise ConfigError(
-            f"--hash-algo {algo} is kvtool's own mode: LMCache has no such hash (its 'blake3' name "
-            "falls back to the builtin hash), so there is nothing to compare against"
-        )
-    return {
-        "sequences": [list(map(int, s)) for s in sequences],
-        "chunk_size": settings.chunk_tokens,
-        "save_unfull_chunk": settings.save_unfull_chunk,
-        "hash_algo": _LMCACHE_HASH_ALGO[algo],
-        "model_name": settings.model_name,
-        "world_size": settings.world_size,
-        "worker_id": settings.worker_id,
-        "kv_dtype": settings.kv_dtype,
-        "without_vllm": not settings.peer_has_vllm,
-    }
-
-
-# Runs `lmcache_keys.py`'s main() once per request in one interpreter: the requests share its
-# PYTHONHASHSEED (fixed at start-up) and pay for importing LMCache and vLLM once. main() sends
-# its answer to whatever fd 1 is when it starts, and points fd 1 at stderr while it works.
-_PEER_DRIVER = """\
-import sys
-sys.path[0] = sys.argv[1].rpartition("/")[0]  # the script's folder, not the caller's cwd
-import io, json, os, runpy, tempfile
-keys_script = runpy.run_path(sys.argv[1])
-requests = json.load(sys.stdin)
-answers_out = os.fdopen(os.dup(1), "w")
-answers = []
-for request in requests:
-    with tempfile.TemporaryFile("w+") as answer:
-        os.dup2(answer.fileno(), 1)
-        sys.stdin = io.StringIO(json.dumps(request))
-        keys_script["main"]()
-        answer.seek(0)
-        answers.append(json.load(answer))
-json.dump(answers, answers_out)
-answers_out.close()
-"""
-
-
-def compare_with_peer(
-    sequences: Sequence[Sequence[int]],
-    settings: LMCacheKeySettings,
-    peer_python: str | os.PathLike[str],
-) -> KeyComparison:
-    """kvtool's keys for `sequences` against LMCache's own, computed in one peer process.
-
-    See `compare_many_with_peer`, which this calls with one job.
-    """
-    return compare_many_with_peer([(sequences, settings)], peer_python)[0]
-
-
-def compare_many_with_peer(
-    jobs: Sequence[tuple[Sequence[Sequence[int]], LMCacheKeySettings]],
-    peer_python: str | os.PathLike[str],
-) -> list[KeyComparison]:
-    """kvtool's keys against LMCache's for each `(sequences, settings)` job, in job order.
-
-    LMCache runs in `peer_python` (`kvtool.peer.peer_python()` is the peer environment) through
-    `kvtool/peer/lmcache_keys.py`, with PYTHONHASHSEED set to `settings.none_hash_seed`, or unset
-    when that is None. Jobs sharing a seed (and the presence of vLLM) share one process; the
-    processes run side by side, at most MAX_PEER_PROCESSES at once.
-
-    Raises ConfigError for a job LMCache cannot run (`blake3`), a missing interpreter, or a
-    peer process that fails or times out (naming the last line it wrote to stderr); PeerError
-    for an answer of the wrong shape.
-    """
-    python = Path(peer_python)
-    if not python.exists():
-        raise ConfigError(
-            f"LMCache peer interpreter {str(python)!r} not found; build the peer environment "
-            "with scripts/peer-env, or pass --peer-python"
-        )
-    requests = [lmcache_request(sequences, settings) for sequences, settings in jobs]
-    groups: dict[tuple[str | None, bool], list[int]] = {}
-    for i, (_, settings) in enumerate(jobs):
-        groups.setdefault((settings.none_hash_seed, settings.peer_has_vllm), []).append(i)
-
-    def run_group(item: tuple[tuple[str | None, bool], list[int]]) -> list[_PeerAnswer]:
-        (seed, _), indices = item
-        return _run_peer(python, [requests[i] for i in indices], seed)
-
-    answers: list[_PeerAnswer | None] = [None] * len(jobs)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(groups), MAX_PEER_PROCESSES))) as pool:
-        for (_, indices), group_answers in zip(groups.items(), pool.map(run_group, groups.items())):
-            for i, answer in zip(indices, group_answers):
-                answers[i] = answer
-
-    comparisons = []
-    for (sequences, settings), answer in zip(jobs, answers):
-        ours = [make_chunk_keys(tokens, settings) for tokens in sequences]
-        comparisons.append(
-            KeyComparison(
-                lmcache_hash_func=answer.hash_func,
-                lmcache_none_hash=answer.none_hash,
-                sequences=compare_keys(ours, answer.keys),
-            )
-        )
-    return comparisons
-
-
-def _run_peer(python: Path, requests: list[dict], seed: str | None) -> list[_PeerAnswer]:
-    """Run the requests in one peer process; its answers, one per request."""
-    env = peer_env()
-    env.pop("PYTHONHASHSEED", None)
-    if seed is not None:
-        env["PYTHONHASHSEED"] = seed
-    command = [str(python), "-c", _PEER_DRIVER, str(peer_script("lmcache_keys.py"))]
-    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        stdin.write(json.dumps(requests).encode())
-        stdin.seek(0)
-        # Files, not pipes: nothing to pump while several peers import side by side.
-        try:
-            proc = subprocess.run(command, stdin=stdin, stdout=stdout, stderr=stderr, env=env, timeout=PEER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"LMCache peer {str(python)!r} did not answer in {PEER_TIMEOUT_S:.0f} s") from None
-        except OSError as e:
-            raise ConfigError(f"cannot run LMCache peer {str(python)!r}: {e}") from None
-        stdout.seek(0)
-        stderr.seek(0)
-        out, err = stdout.read(), stderr.read().decode(errors="replace")
-    if proc.returncode != 0:
-        last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), "no message")
-        raise ConfigError(f"LMCache peer {str(python)!r} failed (exit {proc.returncode}): {last}")
-    try:
-        answers = msgspec.json.decode(out, type=list[_PeerAnswer])
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise PeerError(f"LMCache peer answer is malformed: {e}") from None
-    if len(answers) != len(requests):
-        raise PeerError(f"LMCache peer answered {len(answers)} of {len(requests)} requests")
-    return answers
-
-
 # ----------------------------------------------------------------------------- on an lm:// server
-
-
-class ChunkGeometry(msgspec.Struct, frozen=True, kw_only=True):
-    """The KV_2LTD chunk a model writes: `[2, num_layers, num_tokens, kv_hidden_size]`."""
-
-    num_layers: int
-    kv_hidden_size: int  # KV heads of one rank x head_dim
-    element_size: int  # bytes per element of the KV dtype
-
-    def shape(self, num_tokens: int) -> tuple[int, int, int, int]:
-        return (2, self.num_layers, num_tokens, self.kv_hidden_size)
-
-    def num_bytes(self, num_tokens: int) -> int:
-        return 2 * self.num_layers * num_tokens * self.kv_hidden_size * self.element_size
-
-
-class ChunkProbe(msgspec.Struct, frozen=True, kw_only=True):
-    """What an lm:// server holds under one key, checked against the expected geometry."""
-
-    present: bool  # EXIST said so and the GET found it
-    shape: list[int] | None  # as stored; None when absent or unreadable
-    dtype: str | None  # torch dtype name as stored; None when absent, unreadable or untyped
-    fits: bool | None  # None when absent
-    problem: str | None  # why it does not fit (or could not be read); None when it fits
-
-
-def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1) -> ChunkGeometry:
-    """The chunk geometry of a model config (`ModelConfig`) for a KV dtype name.
-
-    With world_size N the writer is taken to be N-way tensor parallel: each rank holds
-    max(1, num_kv_heads // N) heads, as vLLM shards them. Raises ConfigError for a dtype torch
-    does not know.
-    """
-    dtype = getattr(torch, kv_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"--kv-dtype {kv_dtype!r} is not a torch dtype")
-    num_kv_heads = max(1, config.num_kv_heads // world_size)
-    return ChunkGeometry(
-        num_layers=config.num_layers,
-        kv_hidden_size=num_kv_heads * config.head_dim,
-        element_size=dtype.itemsize,
-    )
-
-
-def geometry_problem(header: ChunkHeader, num_tokens: int, geometry: ChunkGeometry) -> str | None:
-    """Why a stored chunk (`wire.ChunkHeader`) does not fit `geometry`; None when it fits.
-
-    Checks the memory format (KV_2LTD), the shape `[2, layers, tokens, KV hidden size]` and the
-    element size, and names every field that differs with the value expected and found.
-    """
-    problems = []
-    if header.fmt != MemoryFormat.KV_2LTD:
-        try:
-            name = MemoryFormat(header.fmt).name
-        except ValueError:
-            name = str(header.fmt)
-        problems.append(f"format {name}, expected KV_2LTD")
-    shape = tuple(header.shape)
-    want = geometry.shape(num_tokens)
-    if len(shape) != 4:
-        problems.append(f"shape {list(shape)} has {len(shape)} dims, expected {list(want)}")
-    else:
-        for label, expected, found in zip(("K/V", "layers", "tokens", "KV hidden size"), want, shape):
-            if expected != found:
-                problems.append(f"{label} {found}, expected {expected}")
-    try:
-        element_size = torch_dtype_from_code(header.dtype_code).itemsize
-    except PeerError as e:
-        problems.append(str(e))
-    else:
-        if element_size != geometry.element_size:
-            problems.append(f"element size {element_size} bytes, expected {geometry.element_size}")
-    return "; ".join(problems) or None
-
-
-def probe_chunks(
-    client: LMClient, chunks: Sequence[tuple[str, int]], geometry: ChunkGeometry
-) -> dict[str, ChunkProbe]:
-    """Ask an `LMClient`'s server about each `(key, num_tokens)`: EXIST for all, GET each present one.
-
-    Every GET reads into one preallocated buffer of READ_HEADROOM x the largest expected chunk
-    (at most MAX_READ_BYTES). A chunk that cannot be read (too large, malformed reply, lost
-    connection) is a finding: present, does not fit, the reason in `problem`.
-
-    Raises ConfigError when a chunk of this geometry exceeds MAX_READ_BYTES, and PeerError when
-    the EXIST requests (or, with no keys to ask, a HEALTH request) fail: the server is
-    unreachable or misbehaves.
-    """
-    wanted = dict(chunks)  # key -> tokens; keys shared by several sequences are asked once
-    if not wanted:
-        if not client.health():  # nothing to ask, but a bad address is still an error
-            raise PeerError(f"{client.url}: HEALTH failed (unreachable or unhealthy)")
-        return {}
-    largest = geometry.num_bytes(max(wanted.values()))
-    if largest > MAX_READ_BYTES:
-        raise ConfigError(
-            f"a chunk of this model is {largest} bytes, over the {MAX_READ_BYTES}-byte read cap; "
-            "use a smaller --chunk-tokens"
-        )
-    keys = list(wanted)
-    present = client.exist_many(keys)
-    buffer = tensor_buffer(torch.empty(min(READ_HEADROOM * largest, MAX_READ_BYTES), dtype=torch.uint8))
-    result = {}
-    for key, exists in zip(keys, present):
-        if not exists:
-            result[key] = ChunkProbe(present=False, shape=None, dtype=None, fits=None, problem=None)
-            continue
-        try:
-            header = client.get_into(key, buffer)
-        except PeerError as e:
-            result[key] = ChunkProbe(present=True, shape=None, dtype=None, fits=False, problem=str(e))
-            continue
-        if header is None:
-            result[key] = ChunkProbe(
-                present=False, shape=None, dtype=None, fits=None, problem="gone between EXIST and GET"
-            )
-            continue
-        try:
-            dtype = str(torch_dtype_from_code(header.dtype_code)).removeprefix("torch.")
-        except PeerError:
-            dtype = None
-        problem = geometry_problem(header, wanted[key], geometry)
-        result[key] = ChunkProbe(
-            present=True, shape=list(header.shape), dtype=dtype, fits=problem is None, problem=problem
-        )
-    return result
 
 
 # ----------------------------------------------------------------------------- the report
@@ -566,6 +223,8 @@ def build_rows(
             if probes is not None:
                 probe = probes.get(row.key) if row.key is not None else None
                 if probe is None:
+                    from kvtool.engine.connectors.lmcache.probe import ChunkProbe
+
                     probe = ChunkProbe(present=False, shape=None, dtype=None, fits=None, problem=None)
                 row.present, row.shape, row.dtype = probe.present, probe.shape, probe.dtype
                 row.fits, row.problem = probe.fits, probe.problem
@@ -722,6 +381,8 @@ def verify_keys(
     if against_lmcache:
         lmcache_request([], settings)  # refuses blake3 before any work
     if peer is not None:
+        from kvtool.engine.connectors.lmcache.wire import parse_lm_url
+
         parse_lm_url(peer)
     show_progress = not json_out and render.stderr.is_terminal
 
@@ -741,6 +402,9 @@ def verify_keys(
             comparison = compare_with_peer(sequences, settings, peer_python or default_peer_python())
     probes = None
     if peer is not None:
+        from kvtool.engine.connectors.lmcache.probe import make_chunk_geometry, probe_chunks
+        from kvtool.engine.connectors.lmcache.wire import LMClient
+
         geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size)
         wanted = [(c.key, c.end - c.start) for chunks in ours for c in chunks]
         with LMClient.from_url(peer, connections=1) as client:

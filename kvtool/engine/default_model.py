@@ -213,3 +213,14 @@ def _gguf_tensor_progress(report: Progress) -> Iterator[None]:
         yield
     finally:
         gguf_utils.tqdm = original
+
+
+# What a vLLM peer would be started with for the embedded default model.
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def resolve_model_path(model: str | None, progress: Callable[[str, float], None] | None = None) -> Path:
+    """The model directory: the one given, or the embedded default (converted once per user)."""
+    if model is None:
+        return ensure_default_model(progress=progress)
+    return Path(model)

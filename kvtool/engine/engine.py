@@ -13,6 +13,7 @@ import torch
 from kvtool import __version__
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, SchedulerHalf, WorkerHalf
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
+from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash, resolve_none_hash_seed
 from kvtool.engine.kv_pages import DTYPE_NAMES, DTYPES, KVGeometry, KVPages
@@ -22,8 +23,6 @@ from kvtool.engine.request import Request, RequestStatus
 from kvtool.engine.runner import ModelRunner
 from kvtool.engine.scheduler import Scheduler
 
-# What a vLLM peer would be started with for the embedded default model.
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 Progress = Callable[[str, float], None]
 
@@ -40,17 +39,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def resolve_model_path(model: str | None, progress: Progress | None = None):
-    """The model directory: the one given, or the embedded default (converted once per user)."""
-    from pathlib import Path
-
-    if model is None:
-        from kvtool.engine.default_model import ensure_default_model
-
-        return ensure_default_model(progress=progress)
-    return Path(model)
 
 
 def _rope_digest(config) -> str:

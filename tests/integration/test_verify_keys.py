@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from kvtool.commands.verify_keys import compare_many_with_peer
+from kvtool.peer.compare import compare_many_with_peer
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, make_none_hash_int
 from kvtool.engine.connectors.lmcache.wire import LMClient, kv_chunk_header, tensor_buffer
 from tests.conftest import kvtool_cmd

@@ -9,20 +9,9 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from kvtool.commands.verify_keys import (
-    ChunkGeometry,
-    ChunkProbe,
-    KeyComparison,
-    build_rows,
-    compare_keys,
-    compare_with_peer,
-    exit_status,
-    geometry_problem,
-    lmcache_request,
-    read_token_file,
-    read_token_sequences,
-    render_table,
-)
+from kvtool.commands.verify_keys import build_rows, exit_status, read_token_file, read_token_sequences, render_table
+from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, ChunkProbe, geometry_problem
+from kvtool.peer.compare import KeyComparison, compare_keys, compare_with_peer, lmcache_request
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
 from kvtool.engine.connectors.lmcache.wire import ChunkHeader, MemoryFormat
 from kvtool.engine.errors import ConfigError, PeerError
