@@ -79,8 +79,11 @@ class KVPages:
         self.num_blocks = num_blocks
         self.device = device
         g = geometry
-        # [num_blocks, 2, L, bs, H, D]
-        self.tensor = torch.zeros(
+        # [num_blocks, 2, L, bs, H, D]. Zeroed on CUDA, where kernels may read a block's unused
+        # slots under a mask (0 x NaN would be NaN); on CPU the reference path reads written
+        # tokens only, and an untouched allocation costs no memory until the pages are used.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.tensor = alloc(
             (num_blocks, 2, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim),
             dtype=DTYPES[g.dtype],
             device=device,

@@ -30,6 +30,7 @@ def test_gather_scatter_round_trip_partial():
     data = src.gather([1, 4, 3], "KV_2LTD", num_tokens=10)
     assert data.shape == (2, 3, 10, 10)
     dst = KVPages(src.geometry, 6, torch.device("cpu"))
+    dst.tensor.zero_()
     dst.scatter([0, 5, 2], data, "KV_2LTD", num_tokens=10)
     assert torch.equal(dst.gather([0, 5, 2], "KV_2LTD", num_tokens=10), data)
     assert torch.equal(dst.tensor[0], src.tensor[1])
