@@ -1,15 +1,39 @@
-"""Runs one scheduled step: connector loads, the forward over the packed batch, sampling, stores."""
+"""Runs one scheduled step: connector loads, the forward over the packed batch, sampling, stores.
+
+Two ways to run the forward, picked once from data (`attention.select_backend`):
+
+* reference (CPU, or CUDA without bf16/fp16 + Triton): per-sequence metadata, eager forward;
+* cuda: the step's index tensors are packed into one int32 host array and copied in with one
+  host-to-device copy; decode sequences (one new token each) come first. A step made only of
+  decode sequences replays a captured CUDA graph when the connector has no per-layer work;
+  anything else runs eagerly through the same kernels.
+
+Greedy steps without logprobs take the argmax on the device; other sampling goes through
+`sample_tokens` (CPU, reproducible across devices).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 
-from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_context
+from kvtool.engine.attention import (
+    AttentionMetadata,
+    DeviceBatch,
+    PrefillBatch,
+    SeqSpan,
+    attention_context,
+    select_backend,
+)
 from kvtool.engine.connectors.base import KVConnectorOutput, WorkerHalf
 from kvtool.engine.kv_pages import KVPages
-from kvtool.engine.outputs import RunnerOutput, SchedulerOutput
+from kvtool.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kvtool.engine.sampler import sample_tokens
+
+MAX_GRAPH_BATCH = 512
 
 
 class _ConnectorLayerHooks:
@@ -26,6 +50,13 @@ class _ConnectorLayerHooks:
 
 
 class ModelRunner:
+    """Executes scheduled steps on one model and its KV pages.
+
+    On the CUDA backend it also routes the model's norms, attention projections and MLPs to
+    fused kernels (`use_fused_ops`) and replays decode steps from CUDA graphs
+    (`use_cuda_graphs`); both are on by default and exist as switches for tests and benchmarks.
+    """
+
     def __init__(
         self,
         model: nn.Module,
@@ -33,6 +64,8 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         connector: WorkerHalf | None = None,
+        use_cuda_graphs: bool = True,
+        use_fused_ops: bool = True,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -43,6 +76,30 @@ class ModelRunner:
         self.hooks = _ConnectorLayerHooks(connector) if connector is not None else None
         if connector is not None:
             connector.register_kv_caches(kv_pages)
+        geometry = kv_pages.geometry
+        self.backend = select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
+        self.graphs = None
+        self._tables: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (list id, block ids so far)
+        if self.backend == "cuda":
+            self._setup_cuda(use_cuda_graphs, use_fused_ops)
+
+    def _setup_cuda(self, use_cuda_graphs: bool, use_fused_ops: bool) -> None:
+        from kvtool.engine.attention.triton_ops import choose_num_splits
+        from kvtool.engine.fused_ops import apply_fused_ops, can_fuse
+
+        if use_fused_ops and can_fuse(self.model):
+            apply_fused_ops(self.model)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        num_kv_heads = self.kv_pages.geometry.num_kv_heads
+        self.num_splits_for = lambda batch, max_context: choose_num_splits(batch, num_kv_heads, max_context, num_sms)
+        max_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", 0) or 8192
+        width = min(self.kv_pages.num_blocks, -(-max_len // self.block_size))
+        # Eager decode splits as a graph of the same batch size does, so both compute alike.
+        self.max_context = width * self.block_size
+        if use_cuda_graphs:
+            from kvtool.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -51,12 +108,20 @@ class ModelRunner:
             self.connector.start_load_kv()
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float]] = {}
+        if self._tables:
+            for rid in so.finished_req_ids | so.preempted_req_ids:
+                self._tables.pop(rid, None)
         if not so.is_empty:
-            sampled, logprobs = self._forward_and_sample(so)
+            if self.backend == "cuda":
+                sampled, logprobs = self._run_cuda(so)
+            else:
+                sampled, logprobs = self._forward_and_sample(so)
         conn_out = None
         if self.connector is not None and so.connector_meta is not None:
             conn_out = self._finish_connector_step(so)
         return RunnerOutput(sampled=sampled, logprobs=logprobs, connector_output=conn_out)
+
+    # ---- reference backend ---------------------------------------------------------------------
 
     def _forward_and_sample(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
         bs = self.block_size
@@ -86,6 +151,7 @@ class ModelRunner:
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             hooks=self.hooks,
         )
+        self._order_page_writes(np.asarray(slot_blocks, dtype=np.int64))
         with attention_context(meta):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -95,12 +161,92 @@ class ModelRunner:
             return {}, {}
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        to_sample = [s for s in so.scheduled if s.sample]
-        tokens, lps = sample_tokens(
-            logits, [s.sampling for s in to_sample], [s.generator for s in to_sample], self.generator
+        return self._sample([s for s in so.scheduled if s.sample], logits)
+
+    # ---- CUDA backend ------------------------------------------------------------------------------
+
+    def _run_cuda(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+        decode = [s for s in so.scheduled if s.num_tokens == 1]
+        prefill = [s for s in so.scheduled if s.num_tokens > 1]
+        hooks = self.hooks if self._layer_hooks_needed() else None
+        rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
+        graphs = self.graphs
+        if not prefill and hooks is None and graphs is not None and graphs.fits(len(decode), int(rows[:, 3].max())):
+            self._order_page_writes(rows[:, 2] // self.block_size)
+            logits, greedy = graphs.run(rows)
+            sampled = [s for s in decode if s.sample]
+            if len(sampled) < len(decode):
+                keep = torch.tensor([i for i, s in enumerate(decode) if s.sample], dtype=torch.long, device=self.device)
+                logits, greedy = logits.index_select(0, keep), greedy.index_select(0, keep)
+            return self._sample(sampled, logits, greedy) if sampled else ({}, {})
+
+        step = pack_step(
+            decode, rows, prefill, [self._block_table(s) for s in prefill], self.block_size, self.device,
+            self.num_splits_for(len(decode), self.max_context),
         )
-        sampled = {s.request_id: t for s, t in zip(to_sample, tokens)}
-        logprobs = {s.request_id: lp for s, lp in zip(to_sample, lps) if lp is not None}
+        meta = AttentionMetadata(
+            kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None, hooks=hooks,
+            device_batch=step.batch,
+        )
+        self._order_page_writes(step.written_blocks)
+        with attention_context(meta):
+            hidden = self.model(step.input_ids, step.positions)
+        sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
+        if not sampled:
+            return {}, {}
+        if len(sampled) != hidden.shape[0]:
+            hidden = hidden.index_select(0, step.sample_rows)
+        return self._sample(sampled, self.model.compute_logits(hidden))
+
+    def _block_table(self, s: ScheduledRequest) -> np.ndarray:
+        """The request's block ids as int32, extended incrementally (block lists only grow while
+        a request runs; preempted and finished requests are dropped at the start of a step)."""
+        ids = s.block_ids
+        cached = self._tables.get(s.request_id)
+        if cached is not None:
+            list_id, arr = cached
+            n = len(arr)
+            if list_id == id(ids) and n <= len(ids) and (n == 0 or arr[n - 1] == ids[n - 1]):
+                if n == len(ids):
+                    return arr
+                arr = np.concatenate([arr, np.asarray(ids[n:], dtype=np.int32)])
+                self._tables[s.request_id] = (list_id, arr)
+                return arr
+        arr = np.asarray(ids, dtype=np.int32)
+        self._tables[s.request_id] = (id(ids), arr)
+        return arr
+
+    # ---- shared --------------------------------------------------------------------------------------
+
+    def _layer_hooks_needed(self) -> bool:
+        """Whether the connector needs its per-layer calls this step (then the forward runs
+        eagerly): asked through `has_layer_work` when the worker half has it, else assumed
+        whenever it overrides a per-layer method."""
+        c = self.connector
+        if c is None:
+            return False
+        probe = getattr(c, "has_layer_work", None)
+        if probe is not None:
+            return probe()
+        t = type(c)
+        return t.wait_for_layer_load is not WorkerHalf.wait_for_layer_load or t.save_kv_layer is not WorkerHalf.save_kv_layer
+
+    def _order_page_writes(self, block_ids: np.ndarray) -> None:
+        """Let a connector that still reads pages asynchronously order this step's writes after it."""
+        order = getattr(self.connector, "order_page_writes", None)
+        if order is not None:
+            order(block_ids)
+
+    def _sample(
+        self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+        """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
+        if all(s.sampling.is_greedy and s.sampling.logprobs is None for s in seqs):
+            tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
+            return {s.request_id: t for s, t in zip(seqs, tokens)}, {}
+        tokens, lps = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.generator)
+        sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
+        logprobs = {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None}
         return sampled, logprobs
 
     def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
@@ -118,3 +264,106 @@ class ModelRunner:
             invalid_reasons=dict(errors),
             stats=stats,
         )
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """One eager CUDA step's device inputs, all views into one int32 tensor copied in at once."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    batch: DeviceBatch
+    sample_rows: torch.Tensor  # [S]: rows of the sampled sequences (decode ones first)
+    written_blocks: np.ndarray  # page blocks this step writes
+
+
+def decode_rows(decode: list[ScheduledRequest], tables: list[np.ndarray], block_size: int) -> np.ndarray:
+    """[B, 4 + w] int32 rows for one-token sequences: token, position, slot, context length,
+    then the block table up to the longest context (w blocks)."""
+    bs = block_size
+    nd = len(decode)
+    ctx = np.fromiter((s.start + 1 for s in decode), dtype=np.int64, count=nd)
+    width = int(-(-ctx.max() // bs)) if nd else 0
+    rows = np.zeros((nd, 4 + width), dtype=np.int32)
+    if nd:
+        rows[:, 0] = [s.token_ids[0] for s in decode]
+        rows[:, 1] = ctx - 1
+        rows[:, 3] = ctx
+        for i, t in enumerate(tables):
+            n = -(-int(ctx[i]) // bs)
+            rows[i, 4 : 4 + n] = t[:n]
+        last = ctx - 1
+        rows[:, 2] = rows[np.arange(nd), 4 + last // bs] * bs + last % bs
+    return rows
+
+
+def pack_step(
+    decode: list[ScheduledRequest],
+    rows: np.ndarray,
+    prefill: list[ScheduledRequest],
+    tables: list[np.ndarray],
+    block_size: int,
+    device: torch.device,
+    num_splits: int,
+) -> PackedStep:
+    """Pack the decode sequences' rows (from `decode_rows`) and the prefill sequences into one int32 host array,
+    copy it to the device once, and return views of it.
+
+    Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
+    cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows.
+    """
+    bs = block_size
+    nd, width = rows.shape[0], rows.shape[1] - 4
+    ids, pos, slots = [rows[:, 0]], [rows[:, 1]], [rows[:, 2]]
+    cu_q, cu_k, key_slots = [0], [0], []
+    has_prefix = any(s.start > 0 for s in prefill)
+    sample_rows = [i for i, s in enumerate(decode) if s.sample]
+    for s, t in zip(prefill, tables):
+        p = np.arange(s.start, s.start + s.num_tokens)
+        ids.append(np.asarray(s.token_ids, dtype=np.int32))
+        pos.append(p)
+        slots.append(t[p // bs] * bs + p % bs)
+        ctx_len = s.start + s.num_tokens
+        cu_q.append(cu_q[-1] + s.num_tokens)
+        cu_k.append(cu_k[-1] + ctx_len)
+        if has_prefix:
+            k = np.arange(ctx_len)
+            key_slots.append(t[k // bs] * bs + k % bs)
+        if s.sample:
+            sample_rows.append(nd + cu_q[-1] - 1)
+    t_total = nd + cu_q[-1]
+    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows]
+    host = np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in parts])
+    dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
+    sizes = [t_total, t_total, t_total, nd, nd * width, len(cu_q), len(cu_k),
+             cu_k[-1] if has_prefix else 0, len(sample_rows)]
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample = _split(dev, sizes)
+    pre = None
+    if prefill:
+        pre = PrefillBatch(
+            q_start=nd,
+            cu_q=d_cu_q,
+            cu_k=d_cu_k,
+            max_q=max(s.num_tokens for s in prefill),
+            max_k=max(s.start + s.num_tokens for s in prefill),
+            single_causal=len(prefill) == 1 and not has_prefix,
+            key_slots=d_keys if has_prefix else None,
+        )
+    batch = DeviceBatch(
+        slot_mapping=d_slots,
+        num_decode=nd,
+        block_table=d_table.view(nd, width),
+        context_lens=d_ctx,
+        num_splits=num_splits,
+        prefill=pre,
+    )
+    written = np.concatenate(slots) // bs
+    return PackedStep(d_ids, d_pos, batch, d_sample, written)
+
+
+def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(t[at : at + n])
+        at += n
+    return out

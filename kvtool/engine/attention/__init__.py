@@ -2,22 +2,59 @@
 
 Models call `attend(layer, q, k, v, scale)` with the new tokens' rotated q [T, Hq, D] and
 k, v [T, Hkv, D]. It writes k and v into the pages at the step's slots, runs attention for
-every sequence of the batch, and returns [T, Hq * D]. The backend is chosen from data.
+every sequence of the batch, and returns [T, Hq * D].
+
+The backend is chosen once from data (`select_backend`: device, dtype, head_dim, whether Triton
+and varlen attention import); the runner then builds the step's metadata for that backend, and
+`attend` follows the metadata: a `device_batch` means the CUDA kernels, none means the
+reference (gather + SDPA per sequence, CPU and CUDA).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
 from kvtool.engine.attention.context import (
     AttentionMetadata,
+    DeviceBatch,
+    PrefillBatch,
     SeqSpan,
     attention_context,
     current_metadata,
 )
 from kvtool.engine.attention.reference import paged_attention_reference
 
-__all__ = ["AttentionMetadata", "SeqSpan", "attention_context", "attend"]
+__all__ = [
+    "AttentionMetadata",
+    "DeviceBatch",
+    "PrefillBatch",
+    "SeqSpan",
+    "attention_context",
+    "attend",
+    "select_backend",
+]
+
+Backend = Literal["reference", "cuda"]
+
+_cuda_attention = None  # kvtool.engine.attention.cuda.cuda_attention, once the CUDA backend is chosen
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Backend:
+    """'cuda' for a CUDA device with bf16/fp16 pages, a power-of-two head_dim in [16, 256], and
+    Triton plus torch's varlen attention importable; 'reference' otherwise."""
+    global _cuda_attention
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "reference"
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return "reference"
+    try:
+        from kvtool.engine.attention.cuda import cuda_attention
+    except ImportError:
+        return "reference"
+    _cuda_attention = cuda_attention
+    return "cuda"
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -25,8 +62,11 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     meta = current_metadata()
     if meta.hooks is not None:
         meta.hooks.before_layer(layer)
-    meta.kv_pages.write(layer, k, v, meta.slot_block_ids, meta.slot_offsets)
-    out = paged_attention_reference(meta, layer, q, scale)
+    if meta.device_batch is not None:
+        out = _cuda_attention(meta, layer, q, k, v, scale)
+    else:
+        meta.kv_pages.write(layer, k, v, meta.slot_block_ids, meta.slot_offsets)
+        out = paged_attention_reference(meta, layer, q, scale)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], -1)

@@ -42,13 +42,51 @@ class SeqSpan:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """The sequences with q_len > 1 of a step, packed after the decode rows (CUDA backend).
+
+    Rows q_start.. of q belong to them, in order; cu_q / cu_k are their cumulative query and key
+    lengths (relative to q_start), as varlen attention takes them.
+    """
+
+    q_start: int
+    cu_q: torch.Tensor  # [P + 1] int32
+    cu_k: torch.Tensor  # [P + 1] int32
+    max_q: int
+    max_k: int
+    # One sequence with no prefix in the pages: plain causal attention over its own new K/V.
+    single_causal: bool
+    # Flat page slots of every key of every prefill sequence, in order ([sum ctx_len] int32);
+    # None when no sequence has a prefix (then the new K/V are the keys).
+    key_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DeviceBatch:
+    """Index tensors of one step for the CUDA backend, built once per step by the runner.
+
+    Decode sequences (q_len == 1) come first, one row each; a captured graph pads them with
+    rows whose slot is -1 and whose context length is 0.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int: flat page slot (block * block_size + offset) of each new token
+    num_decode: int
+    block_table: torch.Tensor  # [num_decode, W] int32 (a strided view is fine)
+    context_lens: torch.Tensor  # [num_decode] int32
+    num_splits: int  # split-KV partitions per decode sequence
+    prefill: PrefillBatch | None = None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_pages: KVPages
     seqs: list[SeqSpan]
-    slot_block_ids: torch.Tensor  # [T] long: page block of each new token
-    slot_offsets: torch.Tensor  # [T] long: offset inside that block
+    slot_block_ids: torch.Tensor | None  # [T] long: page block of each new token (reference backend)
+    slot_offsets: torch.Tensor | None  # [T] long: offset inside that block (reference backend)
     hooks: LayerHooks | None = None
     extra: dict = field(default_factory=dict)
+    # Set by the runner when the CUDA backend runs the step; the reference backend reads `seqs`.
+    device_batch: DeviceBatch | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -30,6 +30,7 @@ from kvtool.engine.connectors.base import (
 from kvtool.engine.connectors.offloading.cpu_tier import CPUTier, make_cpu_tier
 from kvtool.engine.connectors.offloading.disk_tier import DiskTier
 from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity
+from kvtool.engine.connectors.offloading.transfers import SlotTransfers
 from kvtool.engine.errors import ConfigError, KVRefused
 from kvtool.engine.kv_pages import refuse_geometry_mismatch
 
@@ -268,6 +269,19 @@ class OffloadingScheduler(SchedulerHalf):
 
 
 class OffloadingWorker(WorkerHalf):
+    """Moves blocks between the pages and the CPU tier (and the disk tier behind it).
+
+    On CPU pages every copy is synchronous. On CUDA pages (a pinned pool) the copies are queued
+    on their own streams by `SlotTransfers`: loads before the forward (whole blocks through the
+    copy engine, or layer by layer when `layerwise` is set and the device can read the pool),
+    stores after it, running beside the next step. A slot stays pinned in the tier until the
+    copies that read or fill it are done; the disk writer waits for its slot's store.
+
+    Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
+    `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
+    forward must run eagerly (layerwise loads) instead of replaying a CUDA graph.
+    """
+
     def __init__(self, ctx: ConnectorContext, settings: OffloadingSettings, cpu: CPUTier, disk: DiskTier | None) -> None:
         super().__init__(ctx)
         self.cpu = cpu
@@ -279,21 +293,38 @@ class OffloadingWorker(WorkerHalf):
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-disk") if disk is not None else None
         self.pending_writes: list[Future] = []
         self._staging: torch.Tensor | None = None
+        # Load layer by layer (overlapping the forward) when the device allows it; False: whole
+        # blocks through the copy engine before the forward.
+        self.layerwise = False
+        self.transfers: SlotTransfers | None = None
+        self._load_slots: list[int] = []  # pinned until this step's loads are done
+        self._layerwise_step = False
+        self._store_slots: dict[int, list[int]] = {}  # id(ticket) -> slots unpinned when it is done
 
     def register_kv_caches(self, kv_pages) -> None:
         super().register_kv_caches(kv_pages)
         refuse_geometry_mismatch(self.cpu.geometry, kv_pages.geometry, "OffloadingConnector CPU tier")
+        if kv_pages.device.type == "cuda" and self.cpu.pool.is_pinned():
+            self.transfers = SlotTransfers(self.cpu.pool, kv_pages)
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty_like(self.cpu.slot(0))
         return self._staging
 
+    def has_layer_work(self) -> bool:
+        """True when this step's loads arrive layer by layer (the forward must run eagerly)."""
+        return self._layerwise_step
+
     def start_load_kv(self) -> None:
         pages = self.kv_pages
+        self._reap_stores()
         bad_slots: set[int] = set()
+        pairs: list[tuple[int, int]] = []
+        bps = self.cpu.blocks_per_slot
         for job in self._meta.loads:
             t0 = time.perf_counter()
+            queued = False
             try:
                 if job.slot is not None and job.slot in bad_slots:
                     raise KVRefused("its CPU tier slot failed to load earlier in this step")
@@ -304,7 +335,13 @@ class OffloadingWorker(WorkerHalf):
                     self.disk.read_into(job.key[:-4], buf)
                 # Re-check before a single byte enters the pages.
                 refuse_geometry_mismatch(self.cpu.geometry, pages.geometry, "OffloadingConnector load")
-                pages.scatter(job.block_ids, buf[job.first : job.first + len(job.block_ids)])
+                if self.transfers is not None and job.slot is not None:
+                    base = job.slot * bps + job.first
+                    pairs.extend((base + i, b) for i, b in enumerate(job.block_ids))
+                    self._load_slots.append(job.slot)
+                    queued = True
+                else:
+                    pages.scatter(job.block_ids, buf[job.first : job.first + len(job.block_ids)])
                 moved = len(job.block_ids) * pages.geometry.bytes_per_block
                 self.stats.bytes_loaded += moved
                 n = len(job.block_ids) * self.block_size
@@ -316,39 +353,91 @@ class OffloadingWorker(WorkerHalf):
                 for b in job.block_ids:
                     self.errors[b] = str(e)
             finally:
-                if job.slot is not None:
+                if job.slot is not None and not queued:
                     self.cpu.unpin(job.slot)
-                self.stats.load_s += time.perf_counter() - t0
+                if not queued:
+                    self.stats.load_s += time.perf_counter() - t0
+        self._layerwise_step = False
+        if pairs:
+            layerwise = self.layerwise and self.transfers.can_load_layerwise()
+            self.transfers.load(pairs, layerwise)
+            self._layerwise_step = layerwise
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if self._layerwise_step:
+            self.transfers.wait_layer(layer)
+
+    def order_page_writes(self, block_ids) -> None:
+        """Called by the runner before the forward with the page blocks it writes: the compute
+        stream waits for queued stores that still read any of them."""
+        if self.transfers is not None and self.transfers.stores:
+            self.transfers.order_page_writes(block_ids)
+
+    def _finish_loads(self) -> None:
+        if self.transfers is not None and self._load_slots:
+            self.stats.load_s += self.transfers.finish_loads()
+            for slot in self._load_slots:
+                self.cpu.unpin(slot)
+            self._load_slots = []
+        self._layerwise_step = False
 
     def wait_for_save(self) -> None:
+        self._finish_loads()
         self.pending_writes = [f for f in self.pending_writes if not f.done()]
         failed = {job.request_id for job in self._meta.loads if not self.errors.keys().isdisjoint(job.block_ids)}
+        pairs: list[tuple[int, int]] = []
+        queued_slots: list[int] = []
+        to_disk: list = []
+        bps = self.cpu.blocks_per_slot
         for job in self._meta.stores:
             if job.request_id in failed:
                 # Computed over KV that failed to load: never let it into a tier.
                 self.cpu.unpin(job.slot)
                 continue
             t0 = time.perf_counter()
-            slot = self.cpu.slot(job.slot)
             if job.copy_from_pages:
-                slot.copy_(self.kv_pages.gather(job.block_ids))
+                if self.transfers is not None:
+                    pairs.extend((b, job.slot * bps + i) for i, b in enumerate(job.block_ids))
+                else:
+                    self.cpu.slot(job.slot).copy_(self.kv_pages.gather(job.block_ids))
+                    self.stats.store_s += time.perf_counter() - t0
                 moved = len(job.block_ids) * self.kv_pages.geometry.bytes_per_block
                 self.stats.bytes_stored += moved
                 n = len(job.block_ids) * self.block_size
                 self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
-            self.stats.store_s += time.perf_counter() - t0
             if job.write_to_disk and self.writer is not None:
-                self.pending_writes.append(self.writer.submit(self._write_through, job.key, job.slot))
+                to_disk.append(job)
+            elif self.transfers is not None and job.copy_from_pages:
+                queued_slots.append(job.slot)
             else:
                 self.cpu.unpin(job.slot)
+        if pairs:
+            ticket = self.transfers.store(pairs)
+            self._store_slots[id(ticket)] = queued_slots
+        # A slot's bytes may still be on their way from the pages (this step or an earlier one):
+        # the disk writer waits for the newest store first.
+        after = self.transfers.last_store if self.transfers is not None else None
+        for job in to_disk:
+            self.pending_writes.append(self.writer.submit(self._write_through, job.key, job.slot, after))
 
-    def _write_through(self, key: bytes, slot: int) -> None:
+    def _write_through(self, key: bytes, slot: int, after: torch.cuda.Event | None) -> None:
         try:
+            if after is not None:
+                after.synchronize()
             self.disk.write(key[:-4], self.obt, self.cpu.slot(slot))
         except Exception:  # noqa: BLE001 - a failed write-through only loses a cache entry
             logger.exception("disk tier write failed")
         finally:
             self.cpu.unpin(slot)
+
+    def _reap_stores(self, wait: bool = False) -> None:
+        """Unpin the slots of finished stores and count their GPU time."""
+        if self.transfers is None:
+            return
+        for t in self.transfers.completed_stores(wait):
+            self.stats.store_s += t.start.elapsed_time(t.event) / 1000.0
+            for slot in self._store_slots.pop(id(t), []):
+                self.cpu.unpin(slot)
 
     def get_block_ids_with_load_errors(self) -> dict[int, str]:
         errors, self.errors = self.errors, {}
@@ -359,12 +448,15 @@ class OffloadingWorker(WorkerHalf):
         return stats
 
     def flush(self) -> None:
-        """Wait until every queued disk write is on disk."""
+        """Wait until every queued store is in the CPU tier and every disk write is on disk."""
+        self._reap_stores(wait=True)
         for f in self.pending_writes:
             f.result()
         self.pending_writes = []
 
     def shutdown(self) -> None:
+        self._finish_loads()
+        self._reap_stores(wait=True)
         if self.writer is not None:
             self.writer.shutdown(wait=True)
             self.pending_writes = []

@@ -1,0 +1,229 @@
+"""Triton kernels over the block-major pages: store new K/V, gather K/V, split-KV paged decode.
+
+All kernels take the pages tensor `[num_blocks, 2, L, block_size, H, D]` with its strides, so a
+layer's K and V are addressed in place (no per-layer views are materialised). Slots are flat:
+`slot = block * block_size + offset`; a negative slot means "skip this row" (CUDA-graph padding).
+Block offsets are widened to int64 before they are multiplied by the block stride: a block of an
+8B model spans millions of elements and a cache holds tens of thousands of blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, stride_k, stride_v,
+    pages_ptr, layer_off, stride_blk, stride_kv,
+    slot_ptr, stride_slot,
+    BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        dst = pages_ptr + layer_off + blk * stride_blk + off * HD
+        o = tl.arange(0, HD_PAD)
+        mask = o < HD
+        tl.store(dst + o, tl.load(k_ptr + t * stride_k + o, mask=mask), mask=mask)
+        tl.store(dst + stride_kv + o, tl.load(v_ptr + t * stride_v + o, mask=mask), mask=mask)
+
+
+@triton.jit
+def _gather_kv_kernel(
+    pages_ptr, layer_off, stride_blk, stride_kv,
+    slot_ptr, k_out, v_out,
+    BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    src = pages_ptr + layer_off + blk * stride_blk + off * HD
+    o = tl.arange(0, HD_PAD)
+    mask = o < HD
+    row = t.to(tl.int64) * HD
+    tl.store(k_out + row + o, tl.load(src + o, mask=mask), mask=mask)
+    tl.store(v_out + row + o, tl.load(src + stride_kv + o, mask=mask), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, stride_qt, stride_qh,
+    pages_ptr, layer_off, stride_blk, stride_kv, stride_tok, stride_h,
+    bt_ptr, stride_bt_row, stride_bt_col,
+    ctx_ptr, stride_ctx,
+    o_ptr, stride_ot, stride_oh,
+    mid_o_ptr, mid_lse_ptr,
+    num_q_heads, qk_scale_log2,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One (sequence, KV head, split): online softmax over the split's tokens for all query
+    heads of the KV group at once (rows padded to GROUP_PAD for tl.dot)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b * stride_ctx)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    rows = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    row_mask = rows < GROUP
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    kv_base = pages_ptr + layer_off + kvh * stride_h
+    for t0 in range(start, end, BLOCK_N):
+        offs = t0 + tl.arange(0, BLOCK_N)
+        tmask = offs < end
+        blk = tl.load(bt_ptr + b * stride_bt_row + (offs // BLOCK_SIZE) * stride_bt_col, mask=tmask, other=0)
+        tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
+        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        dst = o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        idx = (b * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + idx[:, None] * D + d[None, :], out, mask=row_mask[:, None])
+        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + idx, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    mid_o_ptr, mid_lse_ptr, o_ptr, stride_ot, stride_oh, num_q_heads,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr,
+):
+    """Merge the splits of one (sequence, query head) by their log-sum-exp (base 2)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    smask = s < NUM_SPLITS
+    base = (b * num_q_heads + h) * NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + base + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(mid_o_ptr + (base + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def _check_pages(pages: torch.Tensor) -> tuple[int, int, int, int]:
+    """(block_size, heads, head_dim, layer stride) of pages [NB, 2, L, bs, H, D], checked dense inside a token."""
+    _, _, _, bs, h, d = pages.shape
+    if pages.stride(5) != 1 or pages.stride(4) != d or pages.stride(3) != h * d:
+        raise ValueError("KV pages must be dense within a block's token rows")
+    return bs, h, d, pages.stride(2)
+
+
+def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write k, v [T, H, D] of one layer at flat slots [T] (negative: skipped)."""
+    bs, h, d, stride_l = _check_pages(pages)
+    t = k.shape[0]
+    if t == 0:
+        return
+    k = k.reshape(t, h * d)
+    v = v.reshape(t, h * d)
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    if v.stride(1) != 1:
+        v = v.contiguous()
+    hd = h * d
+    _store_kv_kernel[(t,)](
+        k, v, k.stride(0), v.stride(0),
+        pages, layer * stride_l, pages.stride(0), pages.stride(1),
+        slots, slots.stride(0),
+        BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd),
+    )
+
+
+def gather_kv(pages: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer at flat slots [N] (contiguous int). Returns ([N, H, D], [N, H, D])."""
+    bs, h, d, stride_l = _check_pages(pages)
+    n = slots.shape[0]
+    k = torch.empty((n, h, d), dtype=pages.dtype, device=pages.device)
+    v = torch.empty_like(k)
+    if n:
+        hd = h * d
+        _gather_kv_kernel[(n,)](
+            pages, layer * stride_l, pages.stride(0), pages.stride(1), slots, k, v,
+            BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd),
+        )
+    return k, v
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence so that the grid covers the GPU about twice, each split >= 256 tokens."""
+    want = -(-2 * num_sms // max(1, batch * num_kv_heads))
+    return max(1, min(want, -(-max_context // 256), 64))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+) -> None:
+    """Attention of one query token per sequence over its pages; writes out.
+
+    q [B, Hq, D]; block_table [B, W] int (strided views allowed); context_lens [B] int (0 gives
+    a zero row); out [B, Hq, D] in q's dtype. num_splits is fixed by the caller (a captured graph
+    keeps it); empty splits exit at once.
+    """
+    bs, hkv, d, stride_l = _check_pages(pages)
+    b, hq, _ = q.shape
+    if b == 0:
+        return
+    group = hq // hkv
+    if num_splits > 1:
+        mid_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    _decode_split_kernel[(b, hkv, num_splits)](
+        q, q.stride(0), q.stride(1),
+        pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
+        block_table, block_table.stride(0), block_table.stride(1),
+        context_lens, context_lens.stride(0),
+        out, out.stride(0), out.stride(1),
+        mid_o, mid_lse,
+        hq, scale * 1.4426950408889634,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(b, hq)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), hq,
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), D=d,
+            num_warps=4,
+        )

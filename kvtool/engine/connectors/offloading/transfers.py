@@ -1,0 +1,232 @@
+"""Copies between the CPU tier's pinned pool and CUDA KV pages, on their own streams.
+
+Both sides are block-major, so one engine block of all layers is one contiguous range on each
+side, and consecutive blocks that are consecutive on both sides merge into one copy:
+
+    pool  [num_slots * blocks_per_slot, 2, L, bs, H, D]   (flat pool block = slot * bps + i)
+    pages [num_blocks,                  2, L, bs, H, D]
+
+A load whose destination blocks are scattered (a copy per 2 MB block costs the copy engine
+about a tenth of its rate) goes through two 64 MB device buffers instead: large copies of
+consecutive pool blocks on a copy stream, each scattered into the pages on the load stream
+while the next copy runs.
+
+Ordering (one compute stream, one load stream with its copy stream, one store stream):
+
+* loads wait for the compute stream (earlier readers of the destination blocks) and for the
+  stores already queued (a slot being filled may be loaded in the next step); the compute
+  stream then waits for the loads: all at once, or layer by layer when loading layerwise;
+* stores wait for the compute stream (the forward that wrote the blocks) and run beside the
+  next step; a step that writes a block a store still reads waits for that store first
+  (`order_page_writes`), and so do host readers of a slot (the disk writer).
+
+Layerwise loads need one layer's slice of many blocks, pieces of bs*H*D elements strided by L:
+a copy-engine transfer per piece would be launch-bound, so a Triton kernel reads them straight
+from the pinned pool (mapped into the device's address space), one launch per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtool.engine.kv_pages import KVPages
+
+STAGING_BYTES = 64 << 20  # one of two device staging buffers for loads into scattered blocks
+
+
+def source_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[tuple[int, int, int]]:
+    """(first pair index, first source block, count) chunks: consecutive sources, at most max_blocks."""
+    chunks: list[tuple[int, int, int]] = []
+    for i, (src, _) in enumerate(pairs):
+        if chunks:
+            at, s, n = chunks[-1]
+            if src == s + n and n < max_blocks:
+                chunks[-1] = (at, s, n + 1)
+                continue
+        chunks.append((i, src, 1))
+    return chunks
+
+
+def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs -> (src, dst, count) runs where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n:
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+@dataclass
+class StoreTicket:
+    """One step's stores: done when `event` has completed."""
+
+    event: torch.cuda.Event
+    start: torch.cuda.Event
+    page_blocks: np.ndarray  # page blocks the copies read
+    num_bytes: int
+
+
+class SlotTransfers:
+    def __init__(self, pool: torch.Tensor, pages: KVPages) -> None:
+        g = pages.geometry
+        # [num_slots * bps, 2, L, bs, H, D]: a view, no copy
+        self.pool = pool.view(-1, *pool.shape[2:])
+        self.pages = pages
+        self.block_bytes = g.bytes_per_block
+        self.num_layers = g.num_layers
+        device = pages.device
+        # Loads gate the forward (layer by layer when layerwise): their kernels go first.
+        self.load_stream = torch.cuda.Stream(device, priority=-1)
+        self.store_stream = torch.cuda.Stream(device)
+        # Staged loads: host-to-device copies here, scatters into the pages on load_stream.
+        self.copy_stream = torch.cuda.Stream(device, priority=-1)
+        self.staging: list[torch.Tensor] = []
+        self.layer_events: list[torch.cuda.Event] = []
+        self.load_start: torch.cuda.Event | None = None
+        self.load_end: torch.cuda.Event | None = None
+        self.load_bytes = 0
+        self.stores: list[StoreTicket] = []
+        self.last_store: torch.cuda.Event | None = None
+        self._layer_copy = None
+
+    # ---- loads ---------------------------------------------------------------------------------
+
+    def can_load_layerwise(self) -> bool:
+        """Whether the device can read the pinned pool directly (checked once, with a tiny copy)."""
+        if self._layer_copy is None:
+            try:
+                from kvtool.engine.connectors.offloading.layer_copy import copy_layer, probe_pinned_reads
+
+                self._layer_copy = copy_layer if probe_pinned_reads(self.pool, self.pages.tensor) else False
+            except ImportError:
+                self._layer_copy = False
+        return bool(self._layer_copy)
+
+    def load(self, pairs: list[tuple[int, int]], layerwise: bool) -> None:
+        """Queue copies of pool blocks into page blocks, (flat pool block, page block) each.
+
+        The compute stream waits for them before the forward, or per layer (`wait_layer`).
+        """
+        compute = torch.cuda.current_stream(self.pages.device)
+        ls = self.load_stream
+        ls.wait_stream(compute)
+        if self.last_store is not None:
+            ls.wait_event(self.last_store)
+        self.load_start = torch.cuda.Event(enable_timing=True)
+        self.load_end = torch.cuda.Event(enable_timing=True)
+        self.load_bytes = len(pairs) * self.block_bytes
+        self.layer_events = []
+        pages = self.pages.tensor
+        with torch.cuda.stream(ls):
+            self.load_start.record(ls)
+            if layerwise:
+                index = torch.tensor(pairs, dtype=torch.int64).pin_memory().to(pages.device, non_blocking=True)
+                for layer in range(self.num_layers):
+                    self._layer_copy(self.pool, pages, index, layer)
+                    ev = torch.cuda.Event()
+                    ev.record(ls)
+                    self.layer_events.append(ev)
+            else:
+                runs = coalesce(pairs)
+                chunks = source_chunks(pairs, self._staging_blocks())
+                if len(chunks) * 4 <= len(runs):
+                    self._load_staged(pairs, chunks)
+                else:
+                    for src, dst, n in runs:
+                        pages[dst : dst + n].copy_(self.pool[src : src + n], non_blocking=True)
+            self.load_end.record(ls)
+        if not layerwise:
+            compute.wait_event(self.load_end)
+
+    def _staging_blocks(self) -> int:
+        return max(1, STAGING_BYTES // self.block_bytes)
+
+    def _load_staged(self, pairs: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> None:
+        """Pages whose destination blocks are scattered: large copies of consecutive pool blocks
+        into two device buffers in turn, each scattered into the pages on the load stream while
+        the next copy runs (a copy per 2 MB block would run at the copy engine's per-piece cost)."""
+        ls, cs = self.load_stream, self.copy_stream
+        pages = self.pages.tensor
+        if not self.staging:
+            shape = (self._staging_blocks(), *pages.shape[1:])
+            self.staging = [torch.empty(shape, dtype=pages.dtype, device=pages.device) for _ in range(2)]
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64).pin_memory().to(pages.device, non_blocking=True)
+        cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
+        scattered: list[torch.cuda.Event] = []
+        for i, (at, src, n) in enumerate(chunks):
+            buf = self.staging[i % 2]
+            if i >= 2:
+                cs.wait_event(scattered[i - 2])
+            with torch.cuda.stream(cs):
+                buf[:n].copy_(self.pool[src : src + n], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(cs)
+            ls.wait_event(copied)
+            pages.index_copy_(0, dst[at : at + n], buf[:n])
+            ev = torch.cuda.Event()
+            ev.record(ls)
+            scattered.append(ev)
+
+    def wait_layer(self, layer: int) -> None:
+        if self.layer_events:
+            torch.cuda.current_stream(self.pages.device).wait_event(self.layer_events[layer])
+
+    def finish_loads(self) -> float:
+        """Block until the queued loads are done (their slots may then be reused). Returns their GPU seconds."""
+        if self.load_end is None:
+            return 0.0
+        self.load_end.synchronize()
+        seconds = self.load_start.elapsed_time(self.load_end) / 1000.0
+        self.load_start = self.load_end = None
+        self.layer_events = []
+        return seconds
+
+    # ---- stores --------------------------------------------------------------------------------
+
+    def store(self, pairs: list[tuple[int, int]]) -> StoreTicket:
+        """Queue copies of page blocks into pool blocks, (page block, flat pool block) each,
+        after the compute stream's work so far."""
+        compute = torch.cuda.current_stream(self.pages.device)
+        ss = self.store_stream
+        ss.wait_stream(compute)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        pages = self.pages.tensor
+        with torch.cuda.stream(ss):
+            start.record(ss)
+            for src, dst, n in coalesce(pairs):
+                self.pool[dst : dst + n].copy_(pages[src : src + n], non_blocking=True)
+            end.record(ss)
+        ticket = StoreTicket(end, start, np.fromiter((p for p, _ in pairs), dtype=np.int64, count=len(pairs)),
+                             len(pairs) * self.block_bytes)
+        self.stores.append(ticket)
+        self.last_store = end
+        return ticket
+
+    def completed_stores(self, wait: bool = False) -> list[StoreTicket]:
+        """Remove and return the store tickets whose copies are done (all of them when `wait`)."""
+        done = []
+        for t in self.stores:
+            if wait:
+                t.event.synchronize()
+            elif not t.event.query():
+                break  # one stream: later tickets cannot be done before this one
+            done.append(t)
+        self.stores = self.stores[len(done):]
+        return done
+
+    def order_page_writes(self, block_ids: np.ndarray) -> None:
+        """Make the compute stream wait for queued stores that read any of `block_ids`."""
+        last = None
+        for t in self.stores:
+            if np.isin(t.page_blocks, block_ids, assume_unique=False).any():
+                last = t
+        if last is not None:
+            torch.cuda.current_stream(self.pages.device).wait_event(last.event)

@@ -1,0 +1,484 @@
+"""GPU benchmarks of kvtool's CUDA paths, each figure with its floor (docs: performance.md 8-9, 14).
+
+Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [--quick]
+
+Sections:
+  env         GPU, versions, the SDPA backend torch picks for prefill shapes
+  kernels     Triton split-KV decode (TB/s of K+V read), cuDNN SDPA and varlen prefill (TFLOP/s)
+  prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
+  hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
+              without layerwise loads
+  decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
+  throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
+  lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
+              local recv_into/sendall server in a separate process
+
+Every result is one JSON line in --out (metric, value, unit, floor, ratio, command details) and
+one row of the table printed at the end. Models are presets built from their configs with dummy
+(random) weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RESULTS: list[dict] = []
+OUT: Path | None = None
+QUICK = False
+
+# Floors (performance.md sections 2, 7, 8, 9, 14).
+HBM_TBS = 4.1
+H2D_GBS = 55.0
+PEAK_TFLOPS = 790.0
+
+
+def record(section: str, metric: str, value: float, unit: str, floor: float | None = None, **detail) -> None:
+    row = {"section": section, "metric": metric, "value": round(value, 4), "unit": unit}
+    if floor is not None:
+        row["floor"] = round(floor, 4)
+        # For times the ratio is measured / floor; for rates it is floor / measured (>= 1 is slower).
+        row["ratio_to_floor"] = round(value / floor if unit in ("ms", "s") else floor / value, 3) if value else None
+    row.update(detail)
+    RESULTS.append(row)
+    if OUT is not None:
+        with OUT.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def model_dir(preset: str) -> str:
+    from kvtool.engine.presets import create_model_dir
+
+    root = Path(tempfile.gettempdir()) / "kvtool-bench-models"
+    d = root / preset
+    if not (d / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        create_model_dir(d, preset=preset, config_only=True)
+    return str(d)
+
+
+def make_engine(preset: str, **kw):
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+
+    params = dict(model=model_dir(preset), load_format="dummy", device="cuda", dtype="bfloat16")
+    params.update(kw)
+    return LLMEngine(EngineParams(**params))
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 150000) for _ in range(n)]
+
+
+def sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+# ---- env ----------------------------------------------------------------------------------------
+
+
+def section_env():
+    import torch
+    import triton
+    import transformers
+
+    p = torch.cuda.get_device_properties(0)
+    q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)
+    info = {
+        "gpu": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+        "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+        "sdpa_backend_prefill": SDPBackend(choice).name, "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps({"env": info}), flush=True)
+    if OUT is not None:
+        with OUT.open("a") as f:
+            f.write(json.dumps({"env": info}) + "\n")
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+def section_kernels():
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.varlen import varlen_attn
+    from triton.testing import do_bench
+
+    from kvtool.engine.attention.triton_ops import choose_num_splits, paged_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hq, hkv, d, bs, layers = 32, 8, 128, 16, 1
+    for batch, ctx in ((64, 8192), (256, 2048), (8, 8192), (1, 32768)):
+        width = ctx // bs
+        nb = batch * width + 1
+        pages = torch.randn((nb, 2, layers, bs, hkv, d), device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(nb - 1, device="cuda")[: batch * width].view(batch, width).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn((batch, hq, d), device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        splits = choose_num_splits(batch, hkv, ctx, sms)
+        ms = do_bench(lambda: paged_decode(q, pages, 0, table, lens, d**-0.5, splits, out), warmup=50, rep=300,
+                      return_mode="median")
+        nbytes = batch * ctx * hkv * d * 2 * 2
+        record("kernels", f"decode B={batch} ctx={ctx} (Hq32/Hkv8/D128, bs16)", nbytes / ms / 1e9, "TB/s",
+               HBM_TBS, ms=round(ms, 4), splits=splits)
+    for n in (8192, 32768):
+        q = torch.randn((1, 32, n, 128), device="cuda", dtype=torch.bfloat16)
+        k = torch.randn((1, 8, n, 128), device="cuda", dtype=torch.bfloat16)
+        ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), warmup=20,
+                      rep=200, return_mode="median")
+        flop = 2 * 32 * 128 * n * n
+        record("kernels", f"SDPA causal prefill S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS, ms=round(ms, 3))
+    # varlen prefix prefill: 4 sequences of 2k queries over 8k keys
+    qv = torch.randn((4 * 2048, 32, 128), device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn((4 * 8192, 8, 128), device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(0, 5, device="cuda", dtype=torch.int32) * 2048
+    cu_k = torch.arange(0, 5, device="cuda", dtype=torch.int32) * 8192
+    ms = do_bench(lambda: varlen_attn(qv, kv, kv, cu_q, cu_k, 2048, 8192, window_size=(-1, 0)), warmup=20, rep=200,
+                  return_mode="median")
+    flop = 4 * 2 * 32 * 128 * 2048 * (8192 - 1024) * 2  # QK^T + PV over the visible keys
+    record("kernels", "varlen prefix prefill 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS, ms=round(ms, 3))
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+QWEN3_8B_FLOP_PER_TOKEN = 13.89e9
+QWEN3_8B_ATTN_COEF = 294912
+
+
+def prefill_floor_ms(n: int) -> float:
+    return (QWEN3_8B_FLOP_PER_TOKEN * n + QWEN3_8B_ATTN_COEF * n * n) / (PEAK_TFLOPS * 1e12) * 1e3
+
+
+def section_prefill():
+    from kvtool.engine.params import SamplingParams
+
+    lengths = (8192,) if QUICK else (2048, 8192, 32768)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    hf_ms = hf_prefill(lengths)
+    engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768,
+                         num_gpu_blocks=2200, max_model_len=40960)
+    engine.generate([tokens(512, 99)], one)  # warm-up: Triton compiles, cuBLAS handles
+    for n in lengths:
+        times = []
+        for rep in range(4 if n < 32768 else 3):
+            r = engine.generate([tokens(n, rep)], one)[0]
+            times.append(r.stats.ttft_s * 1e3)
+        ms = statistics.median(times[1:])
+        record("prefill", f"Qwen3-8B cold prefill TTFT {n // 1024}k", ms, "ms", prefill_floor_ms(n),
+               runs_ms=[round(t, 2) for t in times], hf_ms=hf_ms.get(n), beats_hf=bool(hf_ms.get(n) and ms < hf_ms[n]))
+    engine.close()
+
+
+def hf_prefill(lengths) -> dict[int, float]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir("qwen3-8b"))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    out = {}
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.tensor([tokens(n, 7)], device="cuda")
+            times = []
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                model(input_ids=ids, logits_to_keep=1, use_cache=False)
+                sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[n] = round(statistics.median(times[1:]), 2)
+            record("prefill", f"HF transformers prefill {n // 1024}k (Qwen3-8B, sdpa)", out[n], "ms", prefill_floor_ms(n),
+                   runs_ms=[round(t, 2) for t in times])
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- CPU-tier hits ------------------------------------------------------------------------------
+
+
+def offload_ktc(cpu_bytes: int):
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+
+    return parse_kv_transfer_config(json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "block_size": 256},
+    }))
+
+
+def section_hit():
+    from kvtool.engine.params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    lengths = (8192,) if QUICK else (2048, 8192, 32768)
+    kv_per_token = 147456
+    engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768, num_gpu_blocks=2200,
+                         max_model_len=40960, kv_transfer_config=offload_ktc(int(6.5 * 2**30)))
+    worker = engine.worker_connector
+    engine.generate([tokens(512, 99)], one)
+    for n in lengths:
+        p = tokens(n + 1, 1000 + n)  # n tokens in whole 256-token chunks are hits; 1 is computed
+        engine.generate([p], one)
+        worker.flush()
+        ttfts, rates = [], []
+        for _ in range(4):
+            before = engine.stats()
+            b_bytes, b_s = before.bytes_loaded, before.load_s
+            r = engine.generate([p], one)[0]
+            after = engine.stats()
+            assert r.stats.num_external_loaded_tokens == n, r.stats
+            ttfts.append(r.stats.ttft_s * 1e3)
+            rates.append((after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9)
+        floor = n * kv_per_token / (H2D_GBS * 1e9) * 1e3 + 3.7
+        record("hit", f"Qwen3-8B full-prefix CPU-tier hit TTFT {n // 1024}k", statistics.median(ttfts[1:]), "ms", floor,
+               runs_ms=[round(t, 2) for t in ttfts])
+        record("hit", f"H2D rate during CPU-tier load {n // 1024}k", statistics.median(rates[1:]), "GB/s", H2D_GBS,
+               runs=[round(x, 1) for x in rates])
+    # Partial hits: the first half from the tier, the second half computed; whole-block vs layerwise.
+    for n in ((8192,) if QUICK else (8192, 32768)):
+        base = tokens(n // 2, 5000 + n)
+        engine.generate([base + [1]], one)
+        worker.flush()
+        for layerwise in (False, True):
+            worker.layerwise = layerwise
+            times = []
+            for rep in range(4):
+                r = engine.generate([base + tokens(n // 2, 6000 + rep + 10 * layerwise)], one)[0]
+                assert r.stats.num_external_loaded_tokens == n // 2, r.stats
+                times.append(r.stats.ttft_s * 1e3)
+            record("hit", f"Qwen3-8B partial hit {n // 2048}k of {n // 1024}k TTFT, layerwise={layerwise}",
+                   statistics.median(times[1:]), "ms", None, runs_ms=[round(t, 2) for t in times],
+                   layerwise_possible=worker.transfers.can_load_layerwise())
+        worker.layerwise = True
+        b_bytes, b_s = engine.stats().bytes_loaded, engine.stats().load_s
+        r = engine.generate([base + [2]], one)[0]
+        after = engine.stats()
+        record("hit", f"layerwise full-hit load rate {n // 2048}k (zero-copy kernel)",
+               (after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9, "GB/s", H2D_GBS,
+               ttft_ms=round(r.stats.ttft_s * 1e3, 2))
+        worker.layerwise = False
+    engine.close()
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+
+def section_decode():
+    from kvtool.engine.params import SamplingParams
+
+    for preset, goal in (("qwen3-8b", 6.0), ("qwen3-0.6b", 2.0)):
+        engine = make_engine(preset, num_gpu_blocks=600, max_model_len=8192)
+        sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+        for graphs in (True, False):
+            if not graphs:
+                engine.runner.graphs = None
+            engine.generate([tokens(256, 1)], sp)
+            tpots = []
+            for rep in range(3):
+                r = engine.generate([tokens(2048, rep + 2)], sp)[0]
+                tpots.append(r.stats.decode_s / (len(r.output_token_ids) - 1) * 1e3)
+            floor = {"qwen3-8b": 15.14e9, "qwen3-0.6b": 1.19e9}[preset] / (HBM_TBS * 1e12) * 1e3
+            record("decode", f"{preset} TPOT batch 1 (2k context), graphs={graphs}", statistics.median(tpots), "ms",
+                   floor, goal_ms=goal, runs_ms=[round(t, 3) for t in tpots])
+            if graphs:
+                import torch
+
+                g = engine.runner.graphs.graphs[1]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(50):
+                    g.replay()
+                end.record()
+                sync()
+                record("decode", f"{preset} graph replay alone, batch 1 (GPU time of one decode step)",
+                       start.elapsed_time(end) / 50, "ms", floor)
+        engine.close()
+
+
+# ---- throughput ---------------------------------------------------------------------------------
+
+
+def section_throughput():
+    import random
+
+    from kvtool.engine.params import SamplingParams
+
+    rng = random.Random(0)
+    n = 64 if QUICK else 256
+    ins = [rng.randint(100, 1024) for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    prompts = [[rng.randrange(1000, 150000) for _ in range(k)] for k in ins]
+    sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+    engine = make_engine("qwen3-0.6b", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
+                         enable_prefix_caching=False)
+    engine.generate(prompts[:], [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs])
+    sync()
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, sps)
+    wall = time.perf_counter() - t0
+    total_out = sum(len(r.output_token_ids) for r in results)
+    record("throughput", f"Qwen3-0.6B offline throughput, {n} seqs in/out U[100,1024]", total_out / wall, "tok/s",
+           None, goal=12000, output_tokens=total_out, input_tokens=sum(ins), wall_s=round(wall, 3),
+           graphs_captured=sorted(engine.runner.graphs.graphs))
+    engine.close()
+
+
+# ---- lm:// --------------------------------------------------------------------------------------
+
+_REQ = struct.Struct("<9i150s")
+_REP = struct.Struct("<9i")
+
+
+def serve_lm(port: int) -> None:
+    """A minimal lm:// server: PUT / GET / EXIST / HEALTH, thread per connection, recv_into."""
+    store: dict[bytes, tuple[tuple, memoryview]] = {}
+    lock = threading.Lock()
+
+    def recv_exact(conn, view):
+        got = 0
+        while got < len(view):
+            k = conn.recv_into(view[got:], len(view) - got)
+            if k == 0:
+                raise ConnectionError
+            got += k
+
+    def handle(conn):
+        head = bytearray(_REQ.size)
+        try:
+            while True:
+                recv_exact(conn, memoryview(head))
+                cmd, length, fmt, dtype, loc, s0, s1, s2, s3, key = _REQ.unpack(head)
+                key = key.rstrip(b" ")
+                if cmd == 1:  # PUT
+                    buf = bytearray(length)
+                    recv_exact(conn, memoryview(buf))
+                    with lock:
+                        store[key] = ((fmt, dtype, s0, s1, s2, s3), memoryview(buf))
+                elif cmd == 2:  # GET
+                    with lock:
+                        hit = store.get(key)
+                    if hit is None:
+                        conn.sendall(_REP.pack(400, 0, 0, 0, 0, 0, 0, 0, 0))
+                    else:
+                        (f, dt, a, b, c, e), data = hit
+                        conn.sendall(_REP.pack(200, len(data), f, dt, a, b, c, e, 0))
+                        conn.sendall(data)
+                elif cmd == 3:
+                    with lock:
+                        found = key in store
+                    conn.sendall(_REP.pack(200 if found else 400, 0, 0, 0, 0, 0, 0, 0, 0))
+                elif cmd == 5:
+                    conn.sendall(_REP.pack(200, 0, 0, 0, 0, 0, 0, 0, 0))
+                else:
+                    return
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(64)
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+
+def section_lm():
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.params import SamplingParams
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    server = subprocess.Popen([sys.executable, __file__, "--serve-lm", str(port)])
+    try:
+        time.sleep(1.0)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        n = 8192
+        for conns in (1, 4):
+            ktc = parse_kv_transfer_config(json.dumps({
+                "kv_connector": "LMCacheConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"host": "127.0.0.1", "port": port, "connections": conns,
+                                              "chunk_tokens": 256},
+            }))
+            engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=16384,
+                                 num_gpu_blocks=1200, max_model_len=40960, kv_transfer_config=ktc)
+            p = tokens(n + 1, 77)
+            engine.generate([p], one)
+            engine.worker_connector.flush()
+            rates, ttfts = [], []
+            for _ in range(4):
+                b_bytes, b_s = engine.stats().bytes_loaded, engine.stats().load_s
+                r = engine.generate([p], one)[0]
+                after = engine.stats()
+                assert r.stats.num_external_loaded_tokens == n, r.stats
+                rates.append((after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9)
+                ttfts.append(r.stats.ttft_s * 1e3)
+            floor = 4.0 * conns if conns == 1 else 13.6
+            record("lm", f"lm:// GET into pages, {conns} connection(s), 8k Qwen3-8B", statistics.median(rates[1:]),
+                   "GB/s", floor, runs=[round(x, 2) for x in rates], ttft_ms=round(statistics.median(ttfts[1:]), 1),
+                   goal=3.5 if conns == 1 else 10.0)
+            engine.close()
+    finally:
+        server.kill()
+
+
+SECTIONS = {
+    "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
+    "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
+}
+
+
+def main() -> None:
+    global OUT, QUICK
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-lm":
+        serve_lm(int(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sections", nargs="+", choices=list(SECTIONS))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    OUT, QUICK = a.out, a.quick
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in a.sections:
+        t0 = time.perf_counter()
+        SECTIONS[name]()
+        print(f"# section {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+    print("\n| section | metric | value | unit | floor | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in RESULTS:
+        print(f"| {r['section']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('floor', '')} | "
+              f"{r.get('ratio_to_floor', '')} |")
+
+
+if __name__ == "__main__":
+    main()
