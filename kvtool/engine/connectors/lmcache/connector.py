@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -254,12 +255,22 @@ class LMCacheWorker(WorkerHalf):
         self.stats = TransferStats()
         self._stats_lock = threading.Lock()
         self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-get")
+        self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
+        self.chunk_tokens = settings.chunk_tokens
         self.pending_puts: list[Future] = []
 
-    def _buffer(self, num_tokens: int) -> torch.Tensor:
+    def _ensure_pool(self, n: int) -> None:
+        """Host buffers [2, L, chunk_tokens, H*D] for n chunks, allocated once and reused.
+
+        Pinned on CUDA engines, so GETs land where the copy engine reads; pinning costs about
+        0.6 s per GiB, which must not be paid per load.
+        """
         g = self.geometry
-        # [2, L, T, H*D], pinned on CUDA engines so GETs land where the copy engine reads.
-        return torch.empty((2, g.num_layers, num_tokens, g.kv_hidden_size), dtype=self.dtype, pin_memory=self.pin)
+        while len(self._pool) < n:
+            self._pool.append(
+                torch.empty((2, g.num_layers, self.chunk_tokens, g.kv_hidden_size), dtype=self.dtype, pin_memory=self.pin)
+            )
 
     def _expected(self, num_tokens: int) -> ChunkHeader:
         g = self.geometry
@@ -270,29 +281,48 @@ class LMCacheWorker(WorkerHalf):
         if not loads:
             return
         t0 = time.perf_counter()
-        bufs = [self._buffer(j.end - j.start) for j in loads]
-        items = [(j.key, tensor_buffer(b), None) for j, b in zip(loads, bufs)]
-        results = self.client.get_many_into(items)
-        pages = self.kv_pages
-        bs = self.geometry.block_size
-        for job, buf, result in zip(loads, bufs, results):
-            try:
-                if result is None:
-                    raise KVRefused(f"chunk {job.key} is no longer on the LMCache server (was it restarted?)")
-                if isinstance(result, KVToolError):
-                    raise result
-                self._refuse_reply(result, job)
-                # Only the tokens beyond the local hit; that hit is block-aligned.
-                first_block = job.skip // bs
-                pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", job.end - job.start - job.skip)
-                n = job.end - job.start - job.skip
-                self.stats.bytes_loaded += result.length
-                self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n
-            except KVToolError as e:
-                self.stats.load_failures += 1
-                for b in job.block_ids[job.skip // bs :]:
-                    self.errors[b] = str(e)
+        # Waves bound the host memory held by loads; within a wave, GETs stream in over the
+        # pool's connections while this thread scatters each chunk as soon as it has arrived.
+        wave = max(16, 4 * self.settings.connections)
+        self._ensure_pool(min(wave, len(loads)))
+        for lo in range(0, len(loads), wave):
+            part = loads[lo : lo + wave]
+            items = [(j.key, tensor_buffer(self._pool[i]), None) for i, j in enumerate(part)]
+            done: queue.Queue = queue.Queue()
+            fetch = self._fetcher.submit(self.client.get_many_into, items, lambda i, r: done.put((i, r)))
+            for _ in part:
+                while True:
+                    try:
+                        i, result = done.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        if fetch.done():
+                            fetch.result()  # re-raises what stopped the fetch before all items ended
+                self._load_one(part[i], self._pool[i], result)
+            fetch.result()
         self.stats.load_s += time.perf_counter() - t0
+
+    def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result) -> None:
+        bs = self.geometry.block_size
+        n = job.end - job.start
+        try:
+            if result is None:
+                raise KVRefused(f"chunk {job.key} is no longer on the LMCache server (was it restarted?)")
+            if isinstance(result, KVToolError):
+                raise result
+            self._refuse_reply(result, job)
+            # The bytes arrived as a contiguous [2, L, n, H*D] at the head of the pooled buffer.
+            buf = pooled.reshape(-1)[: 2 * self.geometry.num_layers * n * self.geometry.kv_hidden_size]
+            buf = buf.view(2, self.geometry.num_layers, n, self.geometry.kv_hidden_size)
+            # Only the tokens beyond the local hit; that hit is block-aligned.
+            first_block = job.skip // bs
+            self.kv_pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", n - job.skip)
+            self.stats.bytes_loaded += result.length
+            self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n - job.skip
+        except KVToolError as e:
+            self.stats.load_failures += 1
+            for b in job.block_ids[job.skip // bs :]:
+                self.errors[b] = str(e)
 
     def _refuse_reply(self, header: ChunkHeader, job: ChunkJob) -> None:
         """A chunk is scattered only when its format, dtype and shape fit the engine's pages."""
@@ -358,6 +388,7 @@ class LMCacheWorker(WorkerHalf):
 
     def shutdown(self) -> None:
         self.putter.shutdown(wait=True)
+        self._fetcher.shutdown(wait=True)
         self.client.close()
 
 

@@ -405,8 +405,16 @@ class LMClient:
         finally:
             self._pool.put(conn)
 
-    def _striped(self, items: Sequence[ItemT], one: Callable[[_Connection, ItemT], ResultT]) -> list[ResultT]:
-        """`one(conn, item)` for every item: stripe g holds items g, g+N, ... on one connection."""
+    def _striped(
+        self,
+        items: Sequence[ItemT],
+        one: Callable[[_Connection, ItemT], ResultT],
+        on_result: Callable[[int, ResultT], None] | None = None,
+    ) -> list[ResultT]:
+        """`one(conn, item)` for every item: stripe g holds items g, g+N, ... on one connection.
+
+        `on_result(i, result)`, if given, is called from the stripe's thread as each item ends.
+        """
         results: list[ResultT] = [None] * len(items)  # type: ignore[list-item]
         num_stripes = min(self.num_connections, len(items))
 
@@ -415,6 +423,8 @@ class LMClient:
             try:
                 for i in range(g, len(items), num_stripes):
                     results[i] = one(conn, items[i])
+                    if on_result is not None:
+                        on_result(i, results[i])
             finally:
                 self._pool.put(conn)
 
@@ -561,13 +571,16 @@ class LMClient:
         return self._exchange(conn, "GET", exchange)
 
     def get_many_into(
-        self, items: Sequence[tuple[str, Buffer, ChunkHeader | None]]
+        self,
+        items: Sequence[tuple[str, Buffer, ChunkHeader | None]],
+        on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
     ) -> list[ChunkHeader | KVToolError | None]:
         """`get_into` each `(key, buf, expected)`, striped over the pool.
 
         Returns, per item in order: its header on a hit, None on a miss, or the error (PeerError
         or KVRefused, returned, not raised) of an item that failed, so that one bad chunk leaves
-        the others' results usable.
+        the others' results usable. `on_result(i, result)` is called as each item ends (from a
+        stripe thread), so a caller can consume chunks while the rest are still arriving.
         """
 
         def get_one(
@@ -578,7 +591,7 @@ class LMClient:
             except KVToolError as e:
                 return e
 
-        return self._striped(items, get_one)
+        return self._striped(items, get_one, on_result)
 
     def close(self) -> None:
         """Close every connection and the stripe threads. Call it when no request is in flight."""
