@@ -150,7 +150,9 @@ class LLMEngine:
             connector=scheduler_half,
             kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
         )
-        self.runner = ModelRunner(self.model, self.kv_pages, self.device, params.seed, worker_half)
+        self.runner = ModelRunner(
+            self.model, self.kv_pages, self.device, params.seed, worker_half, max_model_len=self.max_model_len
+        )
         self.worker_connector = worker_half
         self.scheduler_connector = scheduler_half
         self._requests: dict[str, Request] = {}

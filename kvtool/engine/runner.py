@@ -66,6 +66,7 @@ class ModelRunner:
         connector: WorkerHalf | None = None,
         use_cuda_graphs: bool = True,
         use_fused_ops: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -79,6 +80,7 @@ class ModelRunner:
         geometry = kv_pages.geometry
         self.backend = select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
+        self.max_model_len = max_model_len
         self._tables: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (list id, block ids so far)
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
@@ -92,7 +94,7 @@ class ModelRunner:
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         num_kv_heads = self.kv_pages.geometry.num_kv_heads
         self.num_splits_for = lambda batch, max_context: choose_num_splits(batch, num_kv_heads, max_context, num_sms)
-        max_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", 0) or 8192
+        max_len = self.max_model_len or getattr(getattr(self.model, "config", None), "max_position_embeddings", 0) or 8192
         width = min(self.kv_pages.num_blocks, -(-max_len // self.block_size))
         # Eager decode splits as a graph of the same batch size does, so both compute alike.
         self.max_context = width * self.block_size
@@ -219,23 +221,13 @@ class ModelRunner:
     # ---- shared --------------------------------------------------------------------------------------
 
     def _layer_hooks_needed(self) -> bool:
-        """Whether the connector needs its per-layer calls this step (then the forward runs
-        eagerly): asked through `has_layer_work` when the worker half has it, else assumed
-        whenever it overrides a per-layer method."""
-        c = self.connector
-        if c is None:
-            return False
-        probe = getattr(c, "has_layer_work", None)
-        if probe is not None:
-            return probe()
-        t = type(c)
-        return t.wait_for_layer_load is not WorkerHalf.wait_for_layer_load or t.save_kv_layer is not WorkerHalf.save_kv_layer
+        """Whether the connector needs its per-layer calls this step (then the forward runs eagerly)."""
+        return self.connector is not None and self.connector.has_layer_work()
 
     def _order_page_writes(self, block_ids: np.ndarray) -> None:
         """Let a connector that still reads pages asynchronously order this step's writes after it."""
-        order = getattr(self.connector, "order_page_writes", None)
-        if order is not None:
-            order(block_ids)
+        if self.connector is not None:
+            self.connector.order_page_writes(block_ids)
 
     def _sample(
         self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None

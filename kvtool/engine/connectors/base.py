@@ -170,12 +170,27 @@ class WorkerHalf(abc.ABC):
     def save_kv_layer(self, layer: int) -> None:
         """Called after layer `layer` wrote its K/V for the step."""
 
+    def has_layer_work(self) -> bool:
+        """Whether this step needs wait_for_layer_load / save_kv_layer (the forward then runs
+        eagerly, layer by layer, instead of a captured graph). Default: whenever the half
+        overrides either of them."""
+        cls = type(self)
+        return cls.wait_for_layer_load is not WorkerHalf.wait_for_layer_load or cls.save_kv_layer is not WorkerHalf.save_kv_layer
+
+    def order_page_writes(self, block_ids) -> None:
+        """Called before each forward with the page blocks it will write (an int array).
+
+        A half that still reads pages asynchronously (a store copying on its own stream) must
+        make those writes wait for its reads of the same blocks here.
+        """
+
     @abc.abstractmethod
     def wait_for_save(self) -> None:
         """Called once per step after the forward: store (or queue) newly completed blocks.
 
-        Whatever is copied must be taken from the pages before this returns, so the blocks can
-        be freed or reused in the next step.
+        Copies out of the pages must either finish before this returns, or stay ordered before
+        any later write to the same blocks through `order_page_writes`: blocks may be freed and
+        reused in the very next step.
         """
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
