@@ -1,7 +1,6 @@
 """OffloadingConnector: CPU + disk tier across restarts, identity refusal, damage, capacity."""
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
