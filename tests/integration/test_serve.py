@@ -15,12 +15,12 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import kvtool_cmd
 from tests.server_process import REPO_ROOT, ServerProcess
 
-openai = pytest.importorskip("openai")
 
 API_KEY = "test-key-1"
 MODEL = "tiny"
@@ -456,15 +456,6 @@ def _sigterm_during_stream(s: ServerProcess, tiny_model_dir) -> tuple[int, float
 # ---- the embedded default model ----------------------------------------------------------------
 
 
-def _default_model_available() -> bool:
-    try:
-        from kvtool.engine.default_model import find_default_gguf, is_default_model_ready
-    except ImportError:
-        return False
-    return is_default_model_ready() or find_default_gguf() is not None
-
-
-@pytest.mark.skipif(not _default_model_available(), reason="the embedded default model's package is not installed")
 def test_no_arguments_serves_default_model_that_knows_paris():
     with ServerProcess([], startup_timeout_s=900) as s:
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=300)

@@ -120,7 +120,7 @@ def test_no_vllm_peer_gives_the_same_keys_for_every_algorithm_name():
 
 
 def test_tensor_tokens_give_the_same_keys_as_a_list():
-    torch = pytest.importorskip("torch")
+    import torch
     settings = LMCacheKeySettings(MODEL, chunk_tokens=16, save_unfull_chunk=True)
     tokens = SEQUENCES["rand257_seed3"]
     assert make_chunk_keys(torch.tensor(tokens, dtype=torch.long), settings) == make_chunk_keys(
@@ -458,7 +458,7 @@ def test_dtype_strings(dtype, expected):
 
 
 def test_dtype_strings_from_torch_dtypes():
-    torch = pytest.importorskip("torch")
+    import torch
     assert lmcache_dtype_str(torch.float16) == "half"
     assert lmcache_dtype_str(torch.bfloat16) == "bfloat16"
     assert lmcache_dtype_str(torch.float32) == "float"
