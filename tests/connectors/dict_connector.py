@@ -13,7 +13,6 @@ from kvtool.engine.connectors.base import (
     KVConnector,
     KVConnectorMetadata,
     SchedulerHalf,
-    TransferStats,
     WorkerHalf,
 )
 from kvtool.engine.errors import KVRefused
@@ -106,11 +105,6 @@ class DictScheduler(SchedulerHalf):
 
 
 class DictWorker(WorkerHalf):
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.errors: dict[int, str] = {}
-        self.stats = TransferStats()
-
     def start_load_kv(self):
         CALLS.append("start_load_kv")
         meta = self._meta
@@ -143,13 +137,6 @@ class DictWorker(WorkerHalf):
             self.stats.bytes_stored += block.numel() * block.element_size()
             self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + job.num_tokens
 
-    def get_block_ids_with_load_errors(self):
-        errors, self.errors = self.errors, {}
-        return errors
-
-    def take_stats(self):
-        stats, self.stats = self.stats, TransferStats()
-        return stats
 
 
 class DictConnector(KVConnector):

@@ -22,6 +22,7 @@ Call order in one engine step, as vLLM calls them:
 from __future__ import annotations
 
 import abc
+import threading
 from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
@@ -149,6 +150,11 @@ class WorkerHalf(abc.ABC):
         self.config = ctx.config
         self.kv_pages: KVPages | None = None
         self._meta: KVConnectorMetadata | None = None
+        # Load failures of the current step by block id (with a reason), and the counters since
+        # the last take_stats; a half that counts from another thread takes _stats_lock.
+        self.errors: dict[int, str] = {}
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
 
     def register_kv_caches(self, kv_pages: KVPages) -> None:
         """Called once, after the KV pages are allocated."""
@@ -199,11 +205,14 @@ class WorkerHalf(abc.ABC):
 
     def get_block_ids_with_load_errors(self) -> dict[int, str]:
         """Blocks whose load failed this step, with a reason each; reported once."""
-        return {}
+        errors, self.errors = self.errors, {}
+        return errors
 
     def take_stats(self) -> TransferStats:
         """Counters since the last call."""
-        return TransferStats()
+        with self._stats_lock:
+            stats, self.stats = self.stats, TransferStats()
+        return stats
 
     def shutdown(self) -> None:
         """Finish pending stores and release resources; called once when the engine closes."""

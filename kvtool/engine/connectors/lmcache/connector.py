@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -27,7 +26,6 @@ from kvtool.engine.connectors.base import (
     KVConnectorMetadata,
     KVConnectorOutput,
     SchedulerHalf,
-    TransferStats,
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
@@ -251,9 +249,6 @@ class LMCacheWorker(WorkerHalf):
         self.geometry: KVGeometry = ctx.identity.geometry
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.geometry.dtype]
         self.pin = ctx.identity.device_type == "cuda"
-        self.errors: dict[int, str] = {}
-        self.stats = TransferStats()
-        self._stats_lock = threading.Lock()
         self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-get")
         self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
@@ -377,15 +372,6 @@ class LMCacheWorker(WorkerHalf):
             f.result()
         self.pending_puts = []
 
-    def get_block_ids_with_load_errors(self) -> dict[int, str]:
-        errors, self.errors = self.errors, {}
-        return errors
-
-    def take_stats(self) -> TransferStats:
-        with self._stats_lock:
-            stats, self.stats = self.stats, TransferStats()
-        return stats
-
     def shutdown(self) -> None:
         self.putter.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
@@ -395,7 +381,6 @@ class LMCacheWorker(WorkerHalf):
 class LMCacheConnector(KVConnector):
     scheduler_half = LMCacheScheduler
     worker_half = LMCacheWorker
-    worker_devices = ("cpu", "cuda")
 
     @classmethod
     def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf]:

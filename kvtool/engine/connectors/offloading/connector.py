@@ -24,7 +24,6 @@ from kvtool.engine.connectors.base import (
     KVConnectorMetadata,
     KVConnectorOutput,
     SchedulerHalf,
-    TransferStats,
     WorkerHalf,
 )
 from kvtool.engine.connectors.offloading.cpu_tier import CPUTier, make_cpu_tier
@@ -288,8 +287,6 @@ class OffloadingWorker(WorkerHalf):
         self.disk = disk
         self.block_size = ctx.identity.geometry.block_size
         self.obt = settings.offload_block_tokens or self.block_size
-        self.errors: dict[int, str] = {}
-        self.stats = TransferStats()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-disk") if disk is not None else None
         self.pending_writes: list[Future] = []
         self._staging: torch.Tensor | None = None
@@ -439,14 +436,6 @@ class OffloadingWorker(WorkerHalf):
             for slot in self._store_slots.pop(id(t), []):
                 self.cpu.unpin(slot)
 
-    def get_block_ids_with_load_errors(self) -> dict[int, str]:
-        errors, self.errors = self.errors, {}
-        return errors
-
-    def take_stats(self) -> TransferStats:
-        stats, self.stats = self.stats, TransferStats()
-        return stats
-
     def flush(self) -> None:
         """Wait until every queued store is in the CPU tier and every disk write is on disk."""
         self._reap_stores(wait=True)
@@ -467,7 +456,6 @@ class OffloadingWorker(WorkerHalf):
 class OffloadingConnector(KVConnector):
     scheduler_half = OffloadingScheduler
     worker_half = OffloadingWorker
-    worker_devices = ("cpu", "cuda")
 
     @classmethod
     def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf]:
