@@ -123,3 +123,17 @@ def test_wrong_shape_under_the_right_key_is_refused(make_engine, lmcache_server,
     rec = make_engine(kv_transfer_config=parse_kv_transfer_config(lm_config(lmcache_server, policy="recompute")))
     r2 = rec.generate([p], GREEDY)[0]
     assert r2.output_token_ids == ref.output_token_ids
+
+
+def test_more_chunks_than_load_buffers(make_engine, lmcache_server):
+    """37 chunks of 16 tokens through a ring of 16 host buffers: buffers are reused in order."""
+    p = prompt(600, 7)
+    ref = make_engine().generate([p], GREEDY)[0]
+    ktc = lm_config(lmcache_server, chunk_tokens=16, connections=2)
+    writer = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
+    writer.generate([p], GREEDY)
+    writer.worker_connector.flush()
+    reader = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
+    r = reader.generate([p], GREEDY)[0]
+    assert r.stats.num_external_loaded_tokens == 592
+    assert r.output_token_ids == ref.output_token_ids

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -276,16 +277,27 @@ class LMCacheWorker(WorkerHalf):
         if not loads:
             return
         t0 = time.perf_counter()
-        # Waves bound the host memory held by loads; within a wave, GETs stream in over the
-        # pool's connections while this thread scatters each chunk as soon as it has arrived.
-        wave = max(16, 4 * self.settings.connections)
-        self._ensure_pool(min(wave, len(loads)))
-        for lo in range(0, len(loads), wave):
-            part = loads[lo : lo + wave]
-            items = [(j.key, tensor_buffer(self._pool[i]), None) for i, j in enumerate(part)]
-            done: queue.Queue = queue.Queue()
-            fetch = self._fetcher.submit(self.client.get_many_into, items, lambda i, r: done.put((i, r)))
-            for _ in part:
+        # GETs stream in over the pool's connections into a ring of host buffers, while this
+        # thread scatters each chunk into the pages as soon as it has arrived; chunk i reuses
+        # the buffer of chunk i - ring once that one is in the pages, so host memory is bounded.
+        ring = min(len(loads), max(16, 4 * self.settings.connections))
+        self._ensure_pool(ring)
+        items = [(j.key, tensor_buffer(self._pool[i % ring]), None) for i, j in enumerate(loads)]
+        scattered = [threading.Event() for _ in loads]
+        aborted = threading.Event()
+        done: queue.Queue = queue.Queue()
+
+        def wait_for_buffer(i: int) -> None:
+            if i >= ring:
+                while not scattered[i - ring].wait(0.05):
+                    if aborted.is_set():
+                        raise RuntimeError("load aborted")
+
+        fetch = self._fetcher.submit(
+            self.client.get_many_into, items, lambda i, r: done.put((i, r)), wait_for_buffer
+        )
+        try:
+            for _ in loads:
                 while True:
                     try:
                         i, result = done.get(timeout=0.05)
@@ -293,8 +305,11 @@ class LMCacheWorker(WorkerHalf):
                     except queue.Empty:
                         if fetch.done():
                             fetch.result()  # re-raises what stopped the fetch before all items ended
-                self._load_one(part[i], self._pool[i], result)
+                self._load_one(loads[i], self._pool[i % ring], result)
+                scattered[i].set()
             fetch.result()
+        finally:
+            aborted.set()
         self.stats.load_s += time.perf_counter() - t0
 
     def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result) -> None:

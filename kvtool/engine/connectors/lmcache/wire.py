@@ -410,10 +410,12 @@ class LMClient:
         items: Sequence[ItemT],
         one: Callable[[_Connection, ItemT], ResultT],
         on_result: Callable[[int, ResultT], None] | None = None,
+        before_item: Callable[[int], None] | None = None,
     ) -> list[ResultT]:
         """`one(conn, item)` for every item: stripe g holds items g, g+N, ... on one connection.
 
-        `on_result(i, result)`, if given, is called from the stripe's thread as each item ends.
+        `before_item(i)`, if given, is called from the stripe's thread before item i starts (it
+        may block, e.g. until the item's buffer is free); `on_result(i, result)` as each ends.
         """
         results: list[ResultT] = [None] * len(items)  # type: ignore[list-item]
         num_stripes = min(self.num_connections, len(items))
@@ -422,6 +424,8 @@ class LMClient:
             conn = self._checkout()
             try:
                 for i in range(g, len(items), num_stripes):
+                    if before_item is not None:
+                        before_item(i)
                     results[i] = one(conn, items[i])
                     if on_result is not None:
                         on_result(i, results[i])
@@ -574,13 +578,15 @@ class LMClient:
         self,
         items: Sequence[tuple[str, Buffer, ChunkHeader | None]],
         on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
+        before_item: Callable[[int], None] | None = None,
     ) -> list[ChunkHeader | KVToolError | None]:
         """`get_into` each `(key, buf, expected)`, striped over the pool.
 
         Returns, per item in order: its header on a hit, None on a miss, or the error (PeerError
         or KVRefused, returned, not raised) of an item that failed, so that one bad chunk leaves
         the others' results usable. `on_result(i, result)` is called as each item ends (from a
-        stripe thread), so a caller can consume chunks while the rest are still arriving.
+        stripe thread), so a caller can consume chunks while the rest are still arriving;
+        `before_item(i)` before item i starts, so a caller can recycle a ring of buffers.
         """
 
         def get_one(
@@ -591,7 +597,7 @@ class LMClient:
             except KVToolError as e:
                 return e
 
-        return self._striped(items, get_one, on_result)
+        return self._striped(items, get_one, on_result, before_item)
 
     def close(self) -> None:
         """Close every connection and the stripe threads. Call it when no request is in flight."""
