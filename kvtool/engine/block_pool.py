@@ -26,8 +26,6 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
-        self.num_hits = 0
-        self.num_queries = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,10 +42,6 @@ class BlockPool:
                 break
             hits.append(block_id)
         return hits
-
-    def record_query(self, num_queried: int, num_hit: int) -> None:
-        self.num_queries += num_queried
-        self.num_hits += num_hit
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on hit blocks (removing free ones from the LRU queue)."""

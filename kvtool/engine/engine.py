@@ -260,7 +260,10 @@ class LLMEngine:
         return outputs
 
     def _hit_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids)
+        # A stop string ends in the newest tokens: decode a tail long enough to hold the longest
+        # one (a token is at least one byte, a character at most four), not the whole output.
+        window = 4 * max(len(s) for s in req.sampling.stop) + 1
+        text = self.tokenizer.decode(req.output_token_ids[-window:])
         for stop in req.sampling.stop:
             if stop and stop in text:
                 req.stop_reason = stop
@@ -322,7 +325,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         s.num_free_blocks = self.scheduler.pool.num_free_blocks
-        s.num_prompt_tokens = s.num_prefix_cache_queries
         return s
 
     def reset_prefix_cache(self) -> None:

@@ -161,7 +161,7 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local
             req.num_external_tokens = num_ext
-            self.pool.record_query(req.num_prompt_tokens, num_local)
+            self.stats.num_prompt_tokens += req.num_prompt_tokens
             self.stats.num_prefix_cache_queries += req.num_prompt_tokens
             self.stats.num_prefix_cache_hits += num_local
             self.stats.external_tokens_matched += num_ext
@@ -177,7 +177,7 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + num_new],
+            token_ids=req.token_ids_slice(start, start + num_new),
             start=start,
             block_ids=req.block_ids,
             sample=start + num_new == req.num_tokens,

@@ -109,9 +109,18 @@ def disk_identity(identity: EngineIdentity, offload_block_tokens: int) -> KVIden
     )
 
 
+def block_hash_of(key: bytes) -> bytes:
+    """The block hash inside an offload key (vLLM's layout: block hash + 4-byte group index).
+
+    Disk files are named by the block hash alone; their header carries the identity.
+    """
+    return key[:-4]
+
+
 class LoadJob(msgspec.Struct, kw_only=True):
     request_id: str
     key: bytes
+    index: int  # offload block index within the request
     block_ids: list[int]  # engine blocks to fill
     first: int  # index, inside the offload block, of block_ids[0]
     slot: int | None  # CPU slot (pinned); None: read from disk through a staging buffer
@@ -156,7 +165,7 @@ class OffloadingScheduler(SchedulerHalf):
     def _available(self, key: bytes) -> bool:
         if key in self.refused:
             return False
-        return self.cpu.lookup(key) is not None or (self.disk is not None and self.disk.contains(key[:-4]))
+        return self.cpu.lookup(key) is not None or (self.disk is not None and self.disk.contains(block_hash_of(key)))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
@@ -188,7 +197,7 @@ class OffloadingScheduler(SchedulerHalf):
                 slot = self.cpu.allocate(key)  # promotion target; None when every slot is busy
                 from_disk = True
             self.pending_loads.append(
-                LoadJob(request_id=request.request_id, key=key, block_ids=block_ids[lo:hi], first=lo - j * k,
+                LoadJob(request_id=request.request_id, key=key, index=j, block_ids=block_ids[lo:hi], first=lo - j * k,
                         slot=slot, from_disk=from_disk)
             )
 
@@ -217,7 +226,7 @@ class OffloadingScheduler(SchedulerHalf):
             key = self._key(req, j)
             repair = key in self.refused
             slot = None if repair else self.cpu.lookup(key)
-            on_disk = self.disk is not None and not repair and self.disk.contains(key[:-4])
+            on_disk = self.disk is not None and not repair and self.disk.contains(block_hash_of(key))
             if slot is not None:
                 self.cpu.touch(key)
                 if self.disk is not None and not on_disk:
@@ -241,7 +250,7 @@ class OffloadingScheduler(SchedulerHalf):
                 if not output.invalid_block_ids.isdisjoint(job.block_ids):
                     self.cpu.drop(job.key)
                     self.refused.add(job.key)
-                    failed.setdefault(job.request_id, self._offload_index(job))
+                    failed[job.request_id] = min(failed.get(job.request_id, job.index), job.index)
             # The worker skipped these requests' stores (computed over KV that failed to load):
             # forget their slots, and store again from the first bad block after a recompute.
             for job in self.inflight_stores:
@@ -252,14 +261,6 @@ class OffloadingScheduler(SchedulerHalf):
                     self.next_store[rid] = min(self.next_store[rid], j)
         self.inflight_loads = []
         self.inflight_stores = []
-
-    def _offload_index(self, job: LoadJob) -> int:
-        req = self.requests.get(job.request_id)
-        k = self.blocks_per_offload
-        for j in range(len(req.block_hashes) // k if req is not None else 0):
-            if self._key(req, j) == job.key:
-                return j
-        return 0
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
@@ -329,7 +330,7 @@ class OffloadingWorker(WorkerHalf):
                 if job.from_disk:
                     if self.disk is None:
                         raise KVRefused("block is not in the CPU tier and there is no disk tier")
-                    self.disk.read_into(job.key[:-4], buf)
+                    self.disk.read_into(block_hash_of(job.key), buf)
                 # Re-check before a single byte enters the pages.
                 refuse_geometry_mismatch(self.cpu.geometry, pages.geometry, "OffloadingConnector load")
                 if self.transfers is not None and job.slot is not None:
@@ -421,7 +422,7 @@ class OffloadingWorker(WorkerHalf):
         try:
             if after is not None:
                 after.synchronize()
-            self.disk.write(key[:-4], self.obt, self.cpu.slot(slot))
+            self.disk.write(block_hash_of(key), self.obt, self.cpu.slot(slot))
         except Exception:  # noqa: BLE001 - a failed write-through only loses a cache entry
             logger.exception("disk tier write failed")
         finally:
