@@ -77,16 +77,25 @@ def test_seeded_sampling_is_reproducible(make_engine):
     assert c.output_token_ids != a
 
 
-def test_stop_strings_and_max_tokens(make_engine):
+def test_max_tokens_ends_with_length(make_engine):
     engine = make_engine()
     text_prompt = engine.tokenizer.encode("hello world", add_special_tokens=False)
     r = engine.generate([text_prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert len(r.output_token_ids) == 5 and r.finish_reason == "length"
-    full = r.text
-    if len(full) > 2:
-        stop = full[1:3]
-        r2 = engine.generate([text_prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
-        assert r2.finish_reason == "stop" and stop not in r2.text
+
+
+def test_stop_string_ends_and_is_cut_from_the_text():
+    """On the embedded model, whose greedy answer is known: stop at "Paris"."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+
+    with LLMEngine(EngineParams(device="cpu", kv_cache_memory=256 << 20)) as engine:
+        p = engine.encode_prompt("What is the capital of France?", chat=True)
+        full = engine.generate([p], SamplingParams(max_tokens=20, temperature=0.0))[0]
+        cut = engine.generate([p], SamplingParams(max_tokens=20, temperature=0.0, stop=["Paris"]))[0]
+    assert full.text == "The capital of France is Paris." and full.finish_reason == "stop"
+    assert cut.text == "The capital of France is " and cut.finish_reason == "stop"
+    assert len(cut.output_token_ids) < len(full.output_token_ids)
 
 
 def test_bad_requests_are_refused(make_engine):
