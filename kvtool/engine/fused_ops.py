@@ -7,7 +7,9 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
 * attention (Llama and Qwen3): q/k/v projections as one GEMM over a concatenated weight (the
   three parameters become views of it), then one kernel that splits q/k/v, applies Qwen3's
   per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels);
-* gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel.
+* gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
+* every projection through `row_invariant_gemm.linear` (cuBLAS, or inside prefill steps a
+  kernel whose rows do not depend on the step's row count).
 
 Decode steps are a few hundred kernels, so their count sets the graph replay time on small
 models; prefill gains from the larger GEMMs and from fewer passes over activations. The kernels
@@ -21,7 +23,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
@@ -29,6 +30,7 @@ from torch import nn
 from kvtool.engine.attention import attend
 from kvtool.engine.models.layers import GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.row_invariant_gemm import linear
 
 
 @triton.jit
@@ -168,11 +170,12 @@ def _fused_rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+    down = self.down_proj
+    return linear(silu_mul(linear(x, self.gate_up_weight)), down.weight, down.bias)
 
 
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+    qkv = linear(x, self.qkv_weight, self.qkv_bias)
     q_norm = getattr(self, "q_norm", None)
     k_norm = getattr(self, "k_norm", None)
     q, k, v = qkv_norm_rope(
@@ -180,7 +183,8 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.eps if q_norm is not None else 0.0,
     )
-    return self.o_proj(attend(self.layer_idx, q, k, v, self.scale))
+    o = self.o_proj
+    return linear(attend(self.layer_idx, q, k, v, self.scale), o.weight, o.bias)
 
 
 def _concat_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:

@@ -88,6 +88,9 @@ class ModelRunner:
     def _setup_cuda(self, use_cuda_graphs: bool, use_fused_ops: bool) -> None:
         from kvtool.engine.attention.triton_ops import choose_num_splits
         from kvtool.engine.fused_ops import apply_fused_ops, can_fuse
+        from kvtool.engine.row_invariant_gemm import row_invariant_gemms
+
+        self._row_invariant = row_invariant_gemms
 
         if use_fused_ops and can_fuse(self.model):
             apply_fused_ops(self.model)
@@ -191,7 +194,7 @@ class ModelRunner:
             device_batch=step.batch,
         )
         self._order_page_writes(step.written_blocks)
-        with attention_context(meta):
+        with attention_context(meta), self._row_invariant(bool(prefill)):
             hidden = self.model(step.input_ids, step.positions)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:

@@ -1,0 +1,109 @@
+"""Linear layers whose output rows do not depend on how many rows are multiplied together.
+
+A prompt's rows must come out bit-identical whether they are computed in one prefill of the
+whole prompt (thousands of rows) or as the few rows left after a KV hit: otherwise a greedy
+token can flip between a run with a connector and one without. cuBLAS picks its kernel by
+shape and, for few rows, splits the reduction over K across thread blocks (split-K), which
+rounds differently. The Triton kernel here never splits K: every output element is one float32
+accumulation in K order, whatever the tile shape, so its rows are the same for any number of
+rows and any of the tile configurations below. For many rows cuBLAS's own kernels accumulate
+the same way and give the same bits (tests/cuda/test_row_invariance.py checks both on the GPU
+it runs on), and they are faster, so `linear` uses cuBLAS from CUBLAS_MIN_ROWS rows up.
+
+The runner turns this on for steps that compute prefill rows (`row_invariant_gemms`); decode
+steps keep cuBLAS (a decode row is computed the same way whether or not a prefix was loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
+CUBLAS_MIN_ROWS = 1024
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the largest row count each serves best.
+_CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)), (None, (128, 128, 64, 8, 4)))
+
+_enabled = False
+
+
+@contextlib.contextmanager
+def row_invariant_gemms(on: bool = True) -> Iterator[None]:
+    """Route `linear` through the row-invariant path while the block runs (not reentrant)."""
+    global _enabled
+    before = _enabled
+    _enabled = on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """c = a @ w.T for a [M, K], w [N, K]; grouped tile order so consecutive programs share w tiles."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group = min(tiles_m - first_m, GROUP_M)
+    pm = first_m + (pid % width) % group
+    pn = (pid % width) // group
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_p = a_ptr + rm[:, None].to(tl.int64) * stride_a + rk[None, :]
+    w_p = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + rk)[None, :] < K
+        a = tl.load(a_p, mask=(rm[:, None] < M) & k_ok, other=0.0)
+        w = tl.load(w_p, mask=(rn[:, None] < N) & k_ok, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+        a_p += BK
+        w_p += BK
+    c_p = c_ptr + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
+    tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def config_for(rows: int) -> tuple[int, int, int, int, int]:
+    """The tile configuration `triton_mm` uses for `rows` rows."""
+    for limit, cfg in _CONFIGS:
+        if limit is None or rows <= limit:
+            return cfg
+    raise AssertionError("unreachable")
+
+
+def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """a [M, K] @ w [N, K].T without split-K (rows independent of M and of the tile shape)."""
+    m, k = a.shape
+    n = w.shape[0]
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0:
+        return c
+    bm, bn, bk, warps, stages = config or config_for(m)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _gemm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
+                       BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return c
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for 2-D x; inside `row_invariant_gemms`, with rows independent of x's row count
+    (the bias is then added after the product, by one elementwise add on either path)."""
+    if not _enabled:
+        return F.linear(x, weight, bias)
+    y = F.linear(x, weight) if x.shape[0] >= CUBLAS_MIN_ROWS else triton_mm(x, weight)
+    return y if bias is None else y.add_(bias)
