@@ -4,7 +4,8 @@ Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [
 
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
-  kernels     Triton split-KV decode (TB/s of K+V read), cuDNN SDPA and varlen prefill (TFLOP/s)
+  kernels     Triton split-KV decode (TB/s of K+V read); the Triton prefill kernel, causal and over a
+              cached prefix, beside cuDNN SDPA (TFLOP/s)
   prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
               without layerwise loads
@@ -124,10 +125,10 @@ def section_env():
 def section_kernels():
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.varlen import varlen_attn
     from triton.testing import do_bench
 
     from kvtool.engine.attention.triton_ops import choose_num_splits, paged_decode
+    from kvtool.engine.attention.triton_prefill import prefill_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hq, hkv, d, bs, layers = 32, 8, 128, 16, 1
@@ -151,16 +152,24 @@ def section_kernels():
         ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), warmup=20,
                       rep=200, return_mode="median")
         flop = 2 * 32 * 128 * n * n
-        record("kernels", f"SDPA causal prefill S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS, ms=round(ms, 3))
-    # varlen prefix prefill: 4 sequences of 2k queries over 8k keys
+        record("kernels", f"cuDNN SDPA causal prefill S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+               ms=round(ms, 3))
+        qt, kt = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()
+        cu = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+        ms = do_bench(lambda: prefill_attention(qt, kt, kt, cu, cu, n, d**-0.5), warmup=20, rep=200,
+                      return_mode="median")
+        record("kernels", f"Triton prefill causal S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+               ms=round(ms, 3))
+    # prefill over a cached prefix: 4 sequences of 2k queries over 8k keys
     qv = torch.randn((4 * 2048, 32, 128), device="cuda", dtype=torch.bfloat16)
     kv = torch.randn((4 * 8192, 8, 128), device="cuda", dtype=torch.bfloat16)
     cu_q = torch.arange(0, 5, device="cuda", dtype=torch.int32) * 2048
     cu_k = torch.arange(0, 5, device="cuda", dtype=torch.int32) * 8192
-    ms = do_bench(lambda: varlen_attn(qv, kv, kv, cu_q, cu_k, 2048, 8192, window_size=(-1, 0)), warmup=20, rep=200,
+    ms = do_bench(lambda: prefill_attention(qv, kv, kv, cu_q, cu_k, 2048, d**-0.5), warmup=20, rep=200,
                   return_mode="median")
     flop = 4 * 2 * 32 * 128 * 2048 * (8192 - 1024) * 2  # QK^T + PV over the visible keys
-    record("kernels", "varlen prefix prefill 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS, ms=round(ms, 3))
+    record("kernels", "Triton prefill over a prefix, 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+           ms=round(ms, 3))
 
 
 # ---- prefill ------------------------------------------------------------------------------------

@@ -341,7 +341,6 @@ def pack_step(
             cu_k=d_cu_k,
             max_q=max(s.num_tokens for s in prefill),
             max_k=max(s.start + s.num_tokens for s in prefill),
-            single_causal=len(prefill) == 1 and not has_prefix,
             key_slots=d_keys if has_prefix else None,
         )
     batch = DeviceBatch(

@@ -116,7 +116,9 @@ def _scheduled(rid, tokens, start, blocks, sample=True):
                             sampling=SamplingParams(temperature=0.0), generator=None, num_output_tokens=0)
 
 
-@pytest.mark.parametrize("case", ["decode", "single_prefill", "varlen", "prefix", "mixed"])
+@pytest.mark.parametrize(
+    "case", ["decode", "single_prefill", "varlen", "prefix", "mixed", "long_prefix", "short_tail", "prefill_with_decode"]
+)
 def test_cuda_backend_matches_reference(case):
     """A step through `attend` with the CUDA backend's metadata against the reference backend
     (float32 pages, float32 SDPA) on the same inputs; the pages must also end up the same."""
@@ -140,6 +142,9 @@ def test_cuda_backend_matches_reference(case):
         "varlen": [(0, 33), (0, 200), (0, 2)],
         "prefix": [(160, 50), (32, 7)],
         "mixed": [(90, 1), (0, 120), (48, 17), (300, 1)],
+        "long_prefix": [(100, 400)],
+        "short_tail": [(1000, 9)],  # rows that start mid key tile, fewer than one query block
+        "prefill_with_decode": [(40, 1), (0, 500), (7, 1)],
     }[case]
     seqs, at = [], 0
     for i, (start, q_len) in enumerate(spans):

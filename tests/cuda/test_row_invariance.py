@@ -1,7 +1,13 @@
-"""Prefix invariance on CUDA: the row-invariant GEMM against itself (any row count, any tile
-configuration) and against cuBLAS from its threshold up. Skipped without CUDA.
+"""Prefix invariance on CUDA: a prompt's rows come out bit-identical whether computed in one
+prefill or after a KV hit of any size. Checked at the kernels (the row-invariant GEMM against
+itself and cuBLAS, the prefill attention kernel over cached prefixes, chunks and batches) and
+end to end on Qwen3-0.6B's shapes with random weights (tokens and logprobs equal, not close).
+Skipped without CUDA.
 """
 
+import json
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,3 +75,124 @@ def test_linear_switch_and_bias():
     assert torch.equal(small, big[-10:])
     assert float((small.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
     assert torch.equal(linear(a[-10:], w, bias), plain)  # the switch is off again
+
+
+@pytest.mark.parametrize("length", [700, 3000])
+def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
+    """One sequence's attention rows through `attend`: computed from position 0, then again with
+    prefixes of several sizes already in the pages, in chunks, and beside another sequence:
+    every row the same bits."""
+    from kvtool.engine.attention import AttentionMetadata, attend, attention_context, select_backend
+    from kvtool.engine.kv_pages import KVGeometry, KVPages
+    from kvtool.engine.outputs import ScheduledRequest
+    from kvtool.engine.params import SamplingParams
+    from kvtool.engine.runner import decode_rows, pack_step
+
+    assert select_backend(DEV, torch.bfloat16, 128) == "cuda"
+    bs, hq, hkv, d = 16, 16, 8, 128
+    n_blocks = -(-length // bs)
+    geo = KVGeometry(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
+    g = torch.Generator(device=DEV).manual_seed(length)
+    q, k, v = (torch.randn((2 * length, h, d), generator=g, device=DEV).to(torch.bfloat16) for h in (hq, hkv, hkv))
+
+    def run(chunks, other=None):
+        """chunks: (start, end) steps of sequence 0; other: (start, end) of a sequence 1 run beside the last."""
+        pages = KVPages(geo, 2 * n_blocks + 1, DEV)
+        blocks = [list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))]
+        outs = []
+        for i, (start, end) in enumerate(chunks):
+            spans = [(0, start, end)] + ([(1, *other)] if other and i == len(chunks) - 1 else [])
+            seqs = [ScheduledRequest(request_id=f"r{j}", token_ids=list(range(b - a)), start=a, block_ids=blocks[j],
+                                     sample=True, sampling=SamplingParams(temperature=0.0), generator=None,
+                                     num_output_tokens=0) for j, a, b in spans]
+            tables = [np.asarray(blocks[j], dtype=np.int32) for j, _, _ in spans]
+            step = pack_step([], decode_rows([], [], bs), seqs, tables, bs, DEV, 1)
+            meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                     device_batch=step.batch)
+            rows = [j * length + r for j, a, b in spans for r in range(a, b)]
+            with torch.inference_mode(), attention_context(meta):
+                outs.append(attend(0, q[rows], k[rows], v[rows], d**-0.5)[: end - start])
+        return torch.cat(outs)
+
+    whole = run([(0, length)])
+    for split in (16, 100, length // 2, length - 64, length - 16, length - 1):
+        again = run([(0, split), (split, length)])
+        assert torch.equal(again[split:], whole[split:]), split
+    thirds = run([(0, length // 3), (length // 3, 2 * length // 3), (2 * length // 3, length)])
+    assert torch.equal(thirds, whole)
+    assert torch.equal(run([(0, length)], other=(0, length // 2 + 3)), whole)
+    assert torch.equal(run([(0, 50), (50, length)], other=(0, 77))[50:], whole[50:])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 4, 256)])
+def test_prefill_kernel_against_sdpa_and_its_own_tails(hq, hkv, d):
+    from kvtool.engine.attention.triton_prefill import prefill_attention
+
+    g = torch.Generator(device=DEV).manual_seed(d)
+    n = 1000
+    q, k, v = (torch.randn((n, h, d), generator=g, device=DEV).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    whole = prefill_attention(q, k, v, cu, cu, n, d**-0.5)
+    ref = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                         scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    assert float((whole.double() - ref).norm() / ref.norm()) < 1e-2
+    for rows in (1, 7, 64, 65, 300):
+        tail = prefill_attention(q[-rows:], k, v, torch.tensor([0, rows], dtype=torch.int32, device=DEV), cu, rows,
+                                 d**-0.5)
+        assert torch.equal(tail, whole[-rows:]), rows
+
+
+def _offload(**extra):
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+
+    return parse_kv_transfer_config(json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
+    }))
+
+
+def test_hits_of_every_size_give_the_cold_run_bits(tmp_path):
+    """Qwen3-0.6B's shapes in bf16 with random weights, where the top logits are close enough for
+    one rounding difference to flip a greedy token: full hits from the CPU tier (16- and 256-token
+    offload blocks) and partial local prefix hits return exactly the cold run's tokens and logprobs."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams, SamplingParams
+    from kvtool.engine.presets import create_model_dir
+
+    model = tmp_path / "m"
+    create_model_dir(model, preset="qwen3-0.6b", config_only=True)
+    base = {"model": str(model), "device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "seed": 5,
+            "num_gpu_blocks": 1200}
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[(i * 131 + 7 * n) % 150000 + 10 for i in range(n)] for n in (200, 1100, 2048)]
+
+    def outputs(results):
+        return [(r.output_token_ids, r.logprobs) for r in results]
+
+    # One request at a time in every engine: a step's other requests change how it is computed.
+    cold_engine = LLMEngine(EngineParams(**base, enable_prefix_caching=False))
+    cold = outputs([cold_engine.generate([p], sp)[0] for p in prompts])
+    cold_engine.close()
+
+    for block_tokens in (16, 256):
+        engine = LLMEngine(EngineParams(**base, enable_prefix_caching=False,
+                                        kv_transfer_config=_offload(offload_block_tokens=block_tokens)))
+        try:
+            first = [engine.generate([p], sp)[0] for p in prompts]
+            assert outputs(first) == cold
+            hits = [engine.generate([p], sp)[0] for p in prompts]
+            assert [r.stats.num_external_loaded_tokens for r in hits] == [(len(p) - 1) // block_tokens * block_tokens
+                                                                         for p in prompts]
+            assert outputs(hits) == cold, block_tokens
+        finally:
+            engine.close()
+
+    engine = LLMEngine(EngineParams(**base, enable_prefix_caching=True))
+    try:
+        for p, expected in zip(prompts, cold):
+            cut = len(p) // 2
+            engine.generate([p[:cut] + [3] * 40], sp)  # caches the first half's full blocks
+            partial = engine.generate([p], sp)[0]
+            assert partial.stats.num_cached_tokens == cut // 16 * 16
+            assert (partial.output_token_ids, partial.logprobs) == expected
+    finally:
+        engine.close()

@@ -5,7 +5,7 @@ k, v [T, Hkv, D]. It writes k and v into the pages at the step's slots, runs att
 every sequence of the batch, and returns [T, Hq * D].
 
 The backend is chosen once from data (`select_backend`: device, dtype, head_dim, whether Triton
-and varlen attention import); the runner then builds the step's metadata for that backend, and
+imports); the runner then builds the step's metadata for that backend, and
 `attend` follows the metadata: a `device_batch` means the CUDA kernels, none means the
 reference (gather + SDPA per sequence, CPU and CUDA).
 """
@@ -43,7 +43,7 @@ _cuda_attention = None  # kvtool.engine.attention.cuda.cuda_attention, once the 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Backend:
     """'cuda' for a CUDA device with bf16/fp16 pages, a power-of-two head_dim in [16, 256], and
-    Triton plus torch's varlen attention importable; 'reference' otherwise."""
+    Triton importable; 'reference' otherwise."""
     global _cuda_attention
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "reference"

@@ -54,8 +54,6 @@ class PrefillBatch:
     cu_k: torch.Tensor  # [P + 1] int32
     max_q: int
     max_k: int
-    # One sequence with no prefix in the pages: plain causal attention over its own new K/V.
-    single_causal: bool
     # Flat page slots of every key of every prefill sequence, in order ([sum ctx_len] int32);
     # None when no sequence has a prefix (then the new K/V are the keys).
     key_slots: torch.Tensor | None
