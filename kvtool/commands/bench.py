@@ -103,12 +103,12 @@ def ttft(
         concurrency=_ints("--concurrency", concurrency), repeats=repeats, max_tokens=max_tokens,
     )
     names = [a.strip() for a in arms.split(",") if a.strip()]
-    for name in names:
-        if name not in BUILTIN_ARMS:
-            raise ConfigError(f"unknown arm {name!r} in --arms; built-in arms are {', '.join(BUILTIN_ARMS)} (give others with --arm NAME=JSON)")
     custom = list(arm or [])
-    overridden = {spec.partition("=")[0].strip() for spec in custom}
-    specs = [n for n in names if n not in overridden] + custom
+    defined = {spec.partition("=")[0].strip() for spec in custom}
+    for name in names:
+        if name not in BUILTIN_ARMS and name not in defined:
+            raise ConfigError(f"unknown arm {name!r} in --arms; built-in arms are {', '.join(BUILTIN_ARMS)} (give others with --arm NAME=JSON)")
+    specs = [n for n in names if n not in defined] + custom
     show_progress = json_out != "-"
     with _model_params(engine, preset) as params, open_arms(specs, lmcache_url=lmcache_url) as arm_list:
         with render.progress_bar("bench ttft", enabled=show_progress) as bar:

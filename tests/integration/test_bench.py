@@ -28,7 +28,7 @@ def test_ttft_grid_proves_hits_and_flags_an_arm_without_them(lmcache_server, tmp
     out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
     result = bench(
         "ttft", *ENGINE, "--prompt-lens", "40,72", "--hit-fractions", "0,0.5,1", "--concurrency", "1,2",
-        "--repeats", "2", "--max-tokens", "4", "--arms", "none,prefix-cache,cpu,disk,lmcache,hf",
+        "--repeats", "2", "--max-tokens", "4", "--arms", "none,prefix-cache,cpu,disk,lmcache,hf,no-loads",
         "--lmcache-url", f"lm://{lmcache_server.host}:{lmcache_server.port}", "--arm", f"no-loads={NO_LOADS}",
         "--json", str(out), "--plot", str(png),
     )
