@@ -8,7 +8,7 @@ Sections:
               cached prefix, beside cuDNN SDPA (TFLOP/s)
   prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
-              without layerwise loads
+              without layerwise loads; cold prefills storing to the tier with and without layerwise saves
   decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
@@ -282,7 +282,7 @@ def section_hit():
                 times.append(r.stats.ttft_s * 1e3)
             record("hit", f"Qwen3-8B partial hit {n // 2048}k of {n // 1024}k TTFT, layerwise={layerwise}",
                    statistics.median(times[1:]), "ms", None, runs_ms=[round(t, 2) for t in times],
-                   layerwise_possible=worker.transfers.can_load_layerwise())
+                   layerwise_possible=worker.transfers.can_copy_layerwise())
         worker.layerwise = True
         b_bytes, b_s = engine.stats().bytes_loaded, engine.stats().load_s
         r = engine.generate([base + [2]], one)[0]
@@ -290,6 +290,24 @@ def section_hit():
         record("hit", f"layerwise full-hit load rate {n // 2048}k (zero-copy kernel)",
                (after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9, "GB/s", H2D_GBS,
                ttft_ms=round(r.stats.ttft_s * 1e3, 2))
+        worker.layerwise = False
+    # Saves: cold prefills whose blocks go to the tier, whole blocks after the step (copy engine)
+    # vs layer by layer during the forward (zero-copy kernel); TTFT and the time until stored.
+    for n in ((8192,) if QUICK else (8192, 32768)):
+        for layerwise in (False, True):
+            worker.layerwise = layerwise
+            ttfts, stored = [], []
+            for rep in range(4):
+                t0 = time.perf_counter()
+                r = engine.generate([tokens(n, 7000 + n + rep + 10 * layerwise)], one)[0]
+                worker.flush()
+                stored.append((time.perf_counter() - t0) * 1e3)
+                ttfts.append(r.stats.ttft_s * 1e3)
+                assert r.stats.num_external_stored_tokens == n // 256 * 256, r.stats
+            record("hit", f"Qwen3-8B cold prefill {n // 1024}k storing to the tier, layerwise saves={layerwise}: TTFT",
+                   statistics.median(ttfts[1:]), "ms", None, runs_ms=[round(t, 2) for t in ttfts])
+            record("hit", f"Qwen3-8B cold prefill {n // 1024}k, layerwise saves={layerwise}: request to stored",
+                   statistics.median(stored[1:]), "ms", None, runs_ms=[round(t, 2) for t in stored])
         worker.layerwise = False
     engine.close()
 

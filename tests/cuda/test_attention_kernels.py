@@ -263,12 +263,14 @@ def test_fused_model_matches_plain_model(arch):
     assert rel_err(kf.float(), kp.float()) < 1e-2
 
 
-def test_layer_copy_reads_the_pinned_pool():
-    from kvtool.engine.connectors.offloading.layer_copy import copy_layer, probe_pinned_reads
+def test_layer_copy_reads_and_writes_the_pinned_pool():
+    from kvtool.engine.connectors.offloading.layer_copy import copy_layer, probe_pinned_access
 
     pool = torch.randn((6, 2, 3, 16, 8, 128)).to(torch.bfloat16).pin_memory()
+    before = pool.clone()
     pages = torch.zeros((10, 2, 3, 16, 8, 128), dtype=torch.bfloat16, device=DEV)
-    assert probe_pinned_reads(pool, pages)
+    assert probe_pinned_access(pool, pages)
+    assert torch.equal(pool, before)  # the probe writes only its own scratch block
     pairs = torch.tensor([[1, 7], [4, 2], [5, 3]], device=DEV)
     for layer in range(3):
         copy_layer(pool, pages, pairs, layer)
@@ -276,6 +278,14 @@ def test_layer_copy_reads_the_pinned_pool():
     for src, dst in pairs.tolist():
         assert torch.equal(pages[dst].cpu(), pool[src])
     assert not pages[0].any()
+    # the other way: page blocks into pool blocks, one layer at a time
+    back = torch.zeros_like(pool).pin_memory()
+    for layer in range(3):
+        copy_layer(pages, back, pairs.flip(1).contiguous(), layer)
+    torch.cuda.synchronize()
+    for src, dst in pairs.tolist():
+        assert torch.equal(back[src], pool[src])
+    assert not back[0].any()
 
 
 def test_choose_num_splits_covers_the_gpu():

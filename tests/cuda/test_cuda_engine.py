@@ -97,26 +97,38 @@ def test_fast_path_logprobs_close_to_reference(cuda_engine):
         assert max(abs(lx[t] - ly[t]) for t in common) < 0.1
 
 
-def test_prefix_hit_through_varlen_equals_offload_hit(cuda_engine):
+def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(cuda_engine):
     """A local prefix-cache hit and a CPU-tier hit give the same step shapes and the same KV bytes:
-    the outputs must be identical, with loads whole-block and layerwise."""
-    p = prompt(300)
+    the outputs must be identical, with loads and saves whole-block and layerwise; layerwise
+    saves fill the tier with the same bytes as whole-block ones."""
+    p = prompt(600)
     local = cuda_engine()
     local.generate([p], GREEDY)
     hit_local = local.generate([p], GREEDY)[0]
-    assert hit_local.stats.num_cached_tokens == 288
+    assert hit_local.stats.num_cached_tokens == 592
 
-    results = []
+    results, pools = [], []
     for layerwise in (False, True):
-        engine = cuda_engine(kv_transfer_config=offload_config(), enable_prefix_caching=False)
-        engine.worker_connector.layerwise = layerwise
+        engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64, layerwise=layerwise),
+                             enable_prefix_caching=False)
+        worker = engine.worker_connector
+        assert worker.layerwise is layerwise
+        transfers = worker.transfers
+        layer_calls = []
+        store_layer = transfers.store_layer
+        transfers.store_layer = lambda *a: layer_calls.append(a[-1]) or store_layer(*a)
         cold = engine.generate([p], GREEDY)[0]
-        assert cold.stats.num_external_stored_tokens == 288
+        assert cold.stats.num_external_stored_tokens == 592
+        # 37 blocks: a layerwise save (at least LAYERWISE_MIN_BLOCKS), one copy per layer
+        assert layer_calls == (list(range(engine.runner.kv_pages.geometry.num_layers)) if layerwise else [])
+        worker.flush()
+        pools.append(worker.cpu.pool.clone())
         hit = engine.generate([p], GREEDY)[0]
-        assert hit.stats.num_external_loaded_tokens == 288
+        assert hit.stats.num_external_loaded_tokens == 592
         results.append(hit.output_token_ids)
         if layerwise:
-            assert engine.worker_connector.transfers.can_load_layerwise()
+            assert transfers.can_copy_layerwise()
+    assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
     assert results[0] == results[1] == hit_local.output_token_ids
 
 

@@ -49,7 +49,8 @@ def test_sizing_from_bytes_or_blocks():
 def test_settings_and_one_warning_line_for_unknown_keys(caplog):
     with caplog.at_level(logging.WARNING):
         s = parse_settings({"cpu_bytes_to_use": 1 << 20, "block_size": 32, "spec_name": "x", "store_threshold": 2}, 16)
-    assert s.offload_block_tokens == 32 and s.cpu_bytes_to_use == 1 << 20
+    assert s.offload_block_tokens == 32 and s.cpu_bytes_to_use == 1 << 20 and s.layerwise is False
+    assert parse_settings({"layerwise": True}, 16).layerwise is True
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "spec_name" in warnings[0] and "store_threshold" in warnings[0]
 
@@ -62,6 +63,7 @@ def test_settings_and_one_warning_line_for_unknown_keys(caplog):
         ({"eviction_policy": "arc"}, "eviction_policy"),
         ({"root_dir": 5}, "root_dir"),
         ({"group_idx": 1}, "group_idx"),
+        ({"layerwise": "yes"}, "layerwise"),
     ],
 )
 def test_bad_settings_are_refused(extra, needle):

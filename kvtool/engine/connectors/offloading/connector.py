@@ -36,6 +36,9 @@ from kvtool.engine.kv_pages import refuse_geometry_mismatch
 logger = logging.getLogger("kvtool.offloading")
 
 DEFAULT_CPU_BYTES = 1 << 30
+# A step's stores go layer by layer (with `layerwise`) from this many engine blocks up; smaller
+# ones are not worth two kernel launches per layer and an eager forward.
+LAYERWISE_MIN_BLOCKS = 32
 
 
 class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +52,9 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     offload_block_tokens: int | None = None  # a multiple of the engine block size
     offload_prompt_only: bool = True
     group_idx: int = 0
+    # kvtool's key: on CUDA, load and save layer by layer during the forward when the device can
+    # address the pinned pool (a step's save goes layer by layer from LAYERWISE_MIN_BLOCKS blocks).
+    layerwise: bool = False
 
 
 # vLLM's name for offload_block_tokens.
@@ -272,14 +278,15 @@ class OffloadingWorker(WorkerHalf):
     """Moves blocks between the pages and the CPU tier (and the disk tier behind it).
 
     On CPU pages every copy is synchronous. On CUDA pages (a pinned pool) the copies are queued
-    on their own streams by `SlotTransfers`: loads before the forward (whole blocks through the
-    copy engine, or layer by layer when `layerwise` is set and the device can read the pool),
-    stores after it, running beside the next step. A slot stays pinned in the tier until the
+    on their own streams by `SlotTransfers`: loads before the forward and stores after it,
+    running beside the next step, whole blocks through the copy engine; or, when `layerwise` is
+    set and the device can address the pool, both layer by layer during the forward (a store of
+    layer l starts when layer l has written its K/V). A slot stays pinned in the tier until the
     copies that read or fill it are done; the disk writer waits for its slot's store.
 
     Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
     `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
-    forward must run eagerly (layerwise loads) instead of replaying a CUDA graph.
+    forward must run eagerly (layerwise loads or saves) instead of replaying a CUDA graph.
     """
 
     def __init__(self, ctx: ConnectorContext, settings: OffloadingSettings, cpu: CPUTier, disk: DiskTier | None) -> None:
@@ -291,12 +298,16 @@ class OffloadingWorker(WorkerHalf):
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-disk") if disk is not None else None
         self.pending_writes: list[Future] = []
         self._staging: torch.Tensor | None = None
-        # Load layer by layer (overlapping the forward) when the device allows it; False: whole
-        # blocks through the copy engine before the forward.
-        self.layerwise = False
+        # Load and save layer by layer (overlapping the forward) when the device allows it;
+        # False: whole blocks through the copy engine, loads before the forward, saves after it.
+        self.layerwise = settings.layerwise
         self.transfers: SlotTransfers | None = None
         self._load_slots: list[int] = []  # pinned until this step's loads are done
         self._layerwise_step = False
+        # This step's save run layer by layer: (page block, pool block) pairs and their device copy.
+        self._layer_save: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+        self._layer_jobs: set[int] = set()  # id() of the store jobs in it
+        self._layer_ticket = None
         self._store_slots: dict[int, list[int]] = {}  # id(ticket) -> slots unpinned when it is done
 
     def register_kv_caches(self, kv_pages) -> None:
@@ -311,8 +322,35 @@ class OffloadingWorker(WorkerHalf):
         return self._staging
 
     def has_layer_work(self) -> bool:
-        """True when this step's loads arrive layer by layer (the forward must run eagerly)."""
-        return self._layerwise_step
+        """True when this step's loads arrive or its saves leave layer by layer (the forward must run eagerly)."""
+        return self._layerwise_step or self._layer_save is not None
+
+    def _failed_requests(self) -> set[str]:
+        return {job.request_id for job in self._meta.loads if not self.errors.keys().isdisjoint(job.block_ids)}
+
+    def _plan_layer_saves(self) -> None:
+        """Run this step's stores layer by layer during the forward when asked to, the device can
+        address the pool, and they are large enough to pay for two launches per layer."""
+        self._layer_save = None
+        self._layer_jobs = set()
+        self._layer_ticket = None
+        if not (self.layerwise and self.transfers is not None and self._meta.stores):
+            return
+        failed = self._failed_requests()
+        jobs = [j for j in self._meta.stores if j.copy_from_pages and j.request_id not in failed]
+        bps = self.cpu.blocks_per_slot
+        pairs = [(b, j.slot * bps + i) for j in jobs for i, b in enumerate(j.block_ids)]
+        if len(pairs) < LAYERWISE_MIN_BLOCKS or not self.transfers.can_copy_layerwise():
+            return
+        index = torch.tensor(pairs, dtype=torch.int64).pin_memory().to(self.kv_pages.device, non_blocking=True)
+        self._layer_save = (pairs, index)
+        self._layer_jobs = {id(j) for j in jobs}
+
+    def save_kv_layer(self, layer: int) -> None:
+        if self._layer_save is not None:
+            ticket = self.transfers.store_layer(*self._layer_save, layer)
+            if ticket is not None:
+                self._layer_ticket = ticket
 
     def start_load_kv(self) -> None:
         pages = self.kv_pages
@@ -356,8 +394,9 @@ class OffloadingWorker(WorkerHalf):
                 if not queued:
                     self.stats.load_s += time.perf_counter() - t0
         self._layerwise_step = False
+        self._plan_layer_saves()
         if pairs:
-            layerwise = self.layerwise and self.transfers.can_load_layerwise()
+            layerwise = self.layerwise and self.transfers.can_copy_layerwise()
             self.transfers.load(pairs, layerwise)
             self._layerwise_step = layerwise
 
@@ -382,9 +421,10 @@ class OffloadingWorker(WorkerHalf):
     def wait_for_save(self) -> None:
         self._finish_loads()
         self.pending_writes = [f for f in self.pending_writes if not f.done()]
-        failed = {job.request_id for job in self._meta.loads if not self.errors.keys().isdisjoint(job.block_ids)}
+        failed = self._failed_requests()
         pairs: list[tuple[int, int]] = []
         queued_slots: list[int] = []
+        layer_slots: list[int] = []
         to_disk: list = []
         bps = self.cpu.blocks_per_slot
         for job in self._meta.stores:
@@ -393,8 +433,11 @@ class OffloadingWorker(WorkerHalf):
                 self.cpu.unpin(job.slot)
                 continue
             t0 = time.perf_counter()
+            layer_saved = id(job) in self._layer_jobs
             if job.copy_from_pages:
-                if self.transfers is not None:
+                if layer_saved:
+                    pass  # queued layer by layer during the forward
+                elif self.transfers is not None:
                     pairs.extend((b, job.slot * bps + i) for i, b in enumerate(job.block_ids))
                 else:
                     self.cpu.slot(job.slot).copy_(self.kv_pages.gather(job.block_ids))
@@ -406,9 +449,13 @@ class OffloadingWorker(WorkerHalf):
             if job.write_to_disk and self.writer is not None:
                 to_disk.append(job)
             elif self.transfers is not None and job.copy_from_pages:
-                queued_slots.append(job.slot)
+                (layer_slots if layer_saved else queued_slots).append(job.slot)
             else:
                 self.cpu.unpin(job.slot)
+        if self._layer_save is not None:
+            assert self._layer_ticket is not None, "a layerwise save ran without all its layers"
+            self._store_slots[id(self._layer_ticket)] = layer_slots
+            self._layer_save, self._layer_jobs, self._layer_ticket = None, set(), None
         if pairs:
             ticket = self.transfers.store(pairs)
             self._store_slots[id(ticket)] = queued_slots

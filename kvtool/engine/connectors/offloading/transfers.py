@@ -20,9 +20,11 @@ Ordering (one compute stream, one load stream with its copy stream, one store st
   next step; a step that writes a block a store still reads waits for that store first
   (`order_page_writes`), and so do host readers of a slot (the disk writer).
 
-Layerwise loads need one layer's slice of many blocks, pieces of bs*H*D elements strided by L:
-a copy-engine transfer per piece would be launch-bound, so a Triton kernel reads them straight
-from the pinned pool (mapped into the device's address space), one launch per layer.
+Layerwise loads and saves need one layer's slice of many blocks, pieces of bs*H*D elements
+strided by L: a copy-engine transfer per piece would be launch-bound, so a Triton kernel reads
+or writes them straight in the pinned pool (mapped into the device's address space), one launch
+per layer. A layerwise save of layer l waits for the compute stream right after layer l wrote
+its K/V, so the copies run beside the layers that follow instead of after the step.
 """
 
 from __future__ import annotations
@@ -94,17 +96,18 @@ class SlotTransfers:
         self.load_bytes = 0
         self.stores: list[StoreTicket] = []
         self.last_store: torch.cuda.Event | None = None
+        self._layer_store_start: torch.cuda.Event | None = None
         self._layer_copy = None
 
     # ---- loads ---------------------------------------------------------------------------------
 
-    def can_load_layerwise(self) -> bool:
-        """Whether the device can read the pinned pool directly (checked once, with a tiny copy)."""
+    def can_copy_layerwise(self) -> bool:
+        """Whether the device can read and write the pinned pool directly (checked once, with tiny copies)."""
         if self._layer_copy is None:
             try:
-                from kvtool.engine.connectors.offloading.layer_copy import copy_layer, probe_pinned_reads
+                from kvtool.engine.connectors.offloading.layer_copy import copy_layer, probe_pinned_access
 
-                self._layer_copy = copy_layer if probe_pinned_reads(self.pool, self.pages.tensor) else False
+                self._layer_copy = copy_layer if probe_pinned_access(self.pool, self.pages.tensor) else False
             except ImportError:
                 self._layer_copy = False
         return bool(self._layer_copy)
@@ -205,6 +208,29 @@ class SlotTransfers:
                 self.pool[dst : dst + n].copy_(pages[src : src + n], non_blocking=True)
             end.record(ss)
         ticket = StoreTicket(end, start, np.fromiter((p for p, _ in pairs), dtype=np.int64, count=len(pairs)),
+                             len(pairs) * self.block_bytes)
+        self.stores.append(ticket)
+        self.last_store = end
+        return ticket
+
+    def store_layer(self, pairs: list[tuple[int, int]], index: torch.Tensor, layer: int) -> StoreTicket | None:
+        """Queue layer `layer` of page blocks into pool blocks, after the compute stream's work
+        so far (the layer that just wrote them). `index` is `pairs` on the device ([N, 2] int64).
+        The last layer's call returns the ticket of the whole store."""
+        compute = torch.cuda.current_stream(self.pages.device)
+        ss = self.store_stream
+        ss.wait_stream(compute)
+        with torch.cuda.stream(ss):
+            if layer == 0:
+                self._layer_store_start = torch.cuda.Event(enable_timing=True)
+                self._layer_store_start.record(ss)
+            self._layer_copy(self.pages.tensor, self.pool, index, layer)
+            if layer < self.num_layers - 1:
+                return None
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(ss)
+        ticket = StoreTicket(end, self._layer_store_start,
+                             np.fromiter((p for p, _ in pairs), dtype=np.int64, count=len(pairs)),
                              len(pairs) * self.block_bytes)
         self.stores.append(ticket)
         self.last_store = end
