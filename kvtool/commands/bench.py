@@ -58,6 +58,11 @@ def _model_params(engine: EngineParams, preset: str | None) -> Iterator[EnginePa
         yield msgspec.structs.replace(engine, model=str(path))
 
 
+def _name_preset(report, preset: str | None):
+    """The report with its model given as `preset:NAME` rather than the run's temporary directory."""
+    return report if preset is None else msgspec.structs.replace(report, model=f"preset:{preset}")
+
+
 def _write_json(report, json_out: str | None) -> None:
     if json_out == "-":
         render.print_json(report)
@@ -113,6 +118,7 @@ def ttft(
     with _model_params(engine, preset) as params, open_arms(specs, lmcache_url=lmcache_url) as arm_list:
         with render.progress_bar("bench ttft", enabled=show_progress) as bar:
             report = run_ttft_grid(params, arm_list, settings, progress=bar)
+    report = _name_preset(report, preset)
     _write_json(report, json_out)
     if plot is not None:
         from kvtool.workloads.plot import plot_ttft
@@ -172,6 +178,7 @@ def throughput(
     with _model_params(engine, preset) as params:
         with render.progress_bar("bench throughput", enabled=json_out != "-") as bar:
             report = run_throughput(params, settings, names, progress=bar)
+    report = _name_preset(report, preset)
     _write_json(report, json_out)
     if json_out == "-":
         return

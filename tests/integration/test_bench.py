@@ -36,6 +36,7 @@ def test_ttft_grid_proves_hits_and_flags_an_arm_without_them(lmcache_server, tmp
     assert result.exit_code == 1, result.output + repr(result.exception)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(out.read_text())
+    assert report["model"] == "preset:tiny"
     cells = report["cells"]
     arms = ["none", "prefix-cache", "cpu", "disk", "lmcache", "hf", "no-loads"]
     assert len(cells) == len(arms) * 2 * 3 * 2
@@ -93,3 +94,4 @@ def test_throughput_reports_both_engines_on_the_same_workload():
     for r in (ours, hf):
         assert r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
     assert report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["model"] == "preset:tiny"  # not the run's temporary directory
