@@ -71,6 +71,7 @@ from kvtool.server.protocol import (
 
 if TYPE_CHECKING:
     from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +257,18 @@ class _Server:
             self._token_strings[token_id] = s
         return s
 
-    async def _start(self, job: GenerationJob, request: Request) -> _RequestHandle:
+    async def _submit(
+        self, id_prefix: str, prompt_ids: list[int], sampling: SamplingParams,
+        body: CompletionRequest | ChatCompletionRequest, model: str, request: Request,
+    ) -> tuple[_RequestHandle, _Reply]:
+        """Start one request's generation; returns its handle and what each of its replies repeats."""
+        job = GenerationJob(
+            request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids, sampling=sampling,
+            cache_salt=body.cache_salt, kv_transfer_params=body.kv_transfer_params, stream=body.stream,
+        )
         handle = _RequestHandle(self.engine_loop, job, request)
         await handle.start()
-        return handle
+        return handle, _Reply(job.request_id, model, int(time.time()), body.return_token_ids, prompt_ids)
 
     async def _wait_final(self, handle: _RequestHandle) -> Finished | None:
         """The Finished event of a non-streamed request; None when its client went away."""
@@ -287,12 +296,7 @@ class _Server:
             prompt_ids = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt, True)
         else:
             prompt_ids = list(prompt)
-        job = GenerationJob(
-            request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids, sampling=sampling,
-            cache_salt=body.cache_salt, kv_transfer_params=body.kv_transfer_params, stream=body.stream,
-        )
-        handle = await self._start(job, request)
-        reply = _Reply(job.request_id, model, int(time.time()), body.return_token_ids, prompt_ids)
+        handle, reply = await self._submit("cmpl", prompt_ids, sampling, body, model, request)
         if body.stream:
             return _sse_response(self._completion_stream(handle, reply, body))
         event = await self._wait_final(handle)
@@ -374,12 +378,7 @@ class _Server:
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         # The engine caps max_tokens at what the context has left, as OpenAI does when it is unset.
         sampling = body.make_sampling(max_tokens if max_tokens is not None else self.engine_loop.max_model_len, num_top)
-        job = GenerationJob(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids, sampling=sampling,
-            cache_salt=body.cache_salt, kv_transfer_params=body.kv_transfer_params, stream=body.stream,
-        )
-        handle = await self._start(job, request)
-        reply = _Reply(job.request_id, model, int(time.time()), body.return_token_ids, prompt_ids)
+        handle, reply = await self._submit("chatcmpl", prompt_ids, sampling, body, model, request)
         if body.stream:
             return _sse_response(self._chat_stream(handle, reply, body, num_top))
         event = await self._wait_final(handle)

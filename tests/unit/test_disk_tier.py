@@ -40,28 +40,13 @@ from kvtool.engine.connectors.offloading.identity import (
 )
 from kvtool.engine.connectors.offloading.tier_report import scan
 from kvtool.engine.errors import ConfigError, KVRefused
-from kvtool.engine.kv_pages import KVGeometry
-
-GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+from tests.tier_identity import GEOMETRY
+from tests.tier_identity import make_test_identity as tier_identity
 
 
 def make_test_identity(**overrides: object) -> KVIdentity:
-    identity = make_identity(
-        model_name="Qwen/Qwen3-0.6B",
-        config_digest="cfg-a",
-        weights_digest="weights-a",
-        architecture="Qwen3ForCausalLM",
-        geometry=GEOMETRY,
-        offload_block_tokens=8,
-        none_hash_seed="vllm-none-hash",
-        rope_digest="rope-a",
-        engine_id="engine-a",
-        tp_size=2,
-        tp_rank=0,
-        pp_size=2,
-        pp_rank=0,
-    )
-    return msgspec.structs.replace(identity, **overrides) if overrides else identity
+    """The shared test identity, written by a tensor- and pipeline-parallel rank 0 of 2."""
+    return tier_identity(**{"tp_size": 2, "tp_rank": 0, "pp_size": 2, "pp_rank": 0, **overrides})
 
 
 def block_hash(i: int) -> bytes:

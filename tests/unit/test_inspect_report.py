@@ -18,28 +18,11 @@ from typer.testing import CliRunner
 
 from kvtool.commands.inspect import identity_for_model_dir, inspect, render_report, run_inspect
 from kvtool.engine.connectors.offloading.disk_tier import DiskTier
-from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity, tier_digest
+from kvtool.engine.connectors.offloading.identity import KVIdentity, tier_digest
 from kvtool.engine.connectors.offloading.tier_report import TierReport, loadability, scan, with_loadability
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.kv_pages import KVGeometry
 from kvtool.engine.params import EngineParams
-
-GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
-
-
-def make_test_identity(**overrides: object) -> KVIdentity:
-    identity = make_identity(
-        model_name="Qwen/Qwen3-0.6B",
-        config_digest="cfg-a",
-        weights_digest="weights-a",
-        architecture="Qwen3ForCausalLM",
-        geometry=GEOMETRY,
-        offload_block_tokens=8,
-        none_hash_seed="vllm-none-hash",
-        rope_digest="rope-a",
-        engine_id="engine-a",
-    )
-    return msgspec.structs.replace(identity, **overrides) if overrides else identity
+from tests.tier_identity import make_test_identity
 
 
 A = make_test_identity()
