@@ -27,15 +27,17 @@ import triton.language as tl
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
 CUBLAS_MIN_ROWS = 1024
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the largest row count each serves best.
-_CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)), (None, (128, 128, 64, 8, 4)))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), each for row counts up to its limit (the
+# last for any); they all give the same bits, so the choice is speed alone.
+CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)),
+           (CUBLAS_MIN_ROWS, (128, 128, 64, 8, 4)))
 
 _enabled = False
 
 
 @contextlib.contextmanager
 def row_invariant_gemms(on: bool = True) -> Iterator[None]:
-    """Route `linear` through the row-invariant path while the block runs (not reentrant)."""
+    """Route `linear` through the row-invariant path (or not, with on=False) while the block runs."""
     global _enabled
     before = _enabled
     _enabled = on
@@ -76,10 +78,7 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
 
 def config_for(rows: int) -> tuple[int, int, int, int, int]:
     """The tile configuration `triton_mm` uses for `rows` rows."""
-    for limit, cfg in _CONFIGS:
-        if limit is None or rows <= limit:
-            return cfg
-    raise AssertionError("unreachable")
+    return next((cfg for limit, cfg in CONFIGS if rows <= limit), CONFIGS[-1][1])
 
 
 def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:

@@ -35,9 +35,9 @@ def _operands(n, k, rows, seed=0):
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
-    from kvtool.engine.row_invariant_gemm import _CONFIGS, triton_mm
+    from kvtool.engine.row_invariant_gemm import CONFIGS, triton_mm
 
-    configs = [cfg for _, cfg in _CONFIGS]
+    configs = [cfg for _, cfg in CONFIGS]
     for n, k in SHAPES[model]:
         a, w = _operands(n, k, 1100)
         whole = triton_mm(a, w)

@@ -435,13 +435,11 @@ class OffloadingWorker(WorkerHalf):
             t0 = time.perf_counter()
             layer_saved = id(job) in self._layer_jobs
             if job.copy_from_pages:
-                if layer_saved:
-                    pass  # queued layer by layer during the forward
-                elif self.transfers is not None:
-                    pairs.extend((b, job.slot * bps + i) for i, b in enumerate(job.block_ids))
-                else:
+                if self.transfers is None:
                     self.cpu.slot(job.slot).copy_(self.kv_pages.gather(job.block_ids))
                     self.stats.store_s += time.perf_counter() - t0
+                elif not layer_saved:  # (a layerwise save was queued during the forward)
+                    pairs.extend((b, job.slot * bps + i) for i, b in enumerate(job.block_ids))
                 moved = len(job.block_ids) * self.kv_pages.geometry.bytes_per_block
                 self.stats.bytes_stored += moved
                 n = len(job.block_ids) * self.block_size
