@@ -26,6 +26,9 @@ from kvtool.engine.scheduler import Scheduler
 
 Progress = Callable[[str, float], None]
 
+# How long step() waits when every waiting request waits for an asynchronous connector lookup.
+LOOKUP_POLL_S = 0.001
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -138,7 +141,13 @@ class LLMEngine:
             digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(self.model_dir)
             self.identity = build_identity(params, self.model_dir, self.dtype, self.device.type, digest)
             ctx = ConnectorContext(config=ktc, identity=self.identity, none_hash=self.none_hash)
-            scheduler_half, worker_half = connector_cls.create_halves(ctx)
+            # Each half is built on its own: they share nothing but the config and the store.
+            scheduler_half = connector_cls.create_scheduler_half(ctx)
+            try:
+                worker_half = connector_cls.create_worker_half(ctx)
+            except BaseException:
+                scheduler_half.shutdown()
+                raise
 
         self.scheduler = Scheduler(
             num_blocks=self.num_blocks,
@@ -157,6 +166,8 @@ class LLMEngine:
         self.scheduler_connector = scheduler_half
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # Seeds for requests that bring none: reproducible from --seed, independent of batching.
+        self._seeds = torch.Generator().manual_seed(params.seed)
         self._closed = False
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
@@ -220,17 +231,22 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InputError(f"request id {rid!r} is already in use")
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        if sampling.seed is not None:
+            seed = sampling.seed
+        else:
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seeds))
         req = Request(
             rid,
             [int(t) for t in prompt_token_ids],
             sampling,
             max_tokens=max_tokens,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
-            generator=generator,
+            seed=seed,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
+        if self.scheduler_connector is not None:
+            self.scheduler_connector.check_request(req)
         self._requests[rid] = req
         self.scheduler.add_request(req)
         return rid
@@ -244,6 +260,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns what changed for each request that produced a token or ended."""
         so = self.scheduler.schedule()
+        if so.is_empty and self.scheduler.num_lookups_pending and not self.scheduler.failed_outputs:
+            # Every waiting request waits for an asynchronous connector lookup: nothing to run yet.
+            time.sleep(LOOKUP_POLL_S)
         ro = self.runner.execute(so)
         outputs = self.scheduler.update_from_output(so, ro)
         now = time.perf_counter()
@@ -255,9 +274,16 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, req.stop_reason)
                 out.finished = True
                 out.finish_reason = "stop"
+                out.stop_reason = req.stop_reason
+                out.kv_transfer_params = req.kv_transfer_params or None
             if req.is_finished and req.finish_time is None:
                 req.finish_time = now
         return outputs
+
+    def is_finished(self, request_id: str) -> bool:
+        """True once the request has ended (or is unknown to the engine)."""
+        req = self._requests.get(request_id)
+        return req is None or req.is_finished
 
     def _hit_stop_string(self, req: Request) -> bool:
         # A stop string ends in the newest tokens: decode a tail long enough to hold the longest
@@ -281,12 +307,12 @@ class LLMEngine:
         req = self._requests.pop(request_id)
         return self._result(req)
 
-    def request_view(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def _result(self, req: Request) -> RequestResult:
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         decode = req.finish_time - req.first_token_time if req.finish_time and req.first_token_time else None
+        scheduled = req.first_scheduled_time
+        queue_s = scheduled - req.arrival_time if scheduled is not None else None
+        prefill_s = req.first_token_time - scheduled if scheduled is not None and req.first_token_time else None
         return RequestResult(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -295,6 +321,8 @@ class LLMEngine:
             finish_reason=req.status.value if req.is_finished else "running",
             error=req.error,
             logprobs=req.logprobs or None,
+            stop_reason=req.stop_reason,
+            kv_transfer_params=req.kv_transfer_params or None,
             stats=RequestStats(
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens or 0,
@@ -304,6 +332,8 @@ class LLMEngine:
                 num_preemptions=req.num_preemptions,
                 ttft_s=ttft,
                 decode_s=decode,
+                queue_s=queue_s,
+                prefill_s=prefill_s,
             ),
         )
 
@@ -325,6 +355,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         s.num_free_blocks = self.scheduler.pool.num_free_blocks
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
         return s
 
     def reset_prefix_cache(self) -> None:
@@ -333,6 +365,11 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Invariants that must hold when the engine is idle (used by tests)."""
         self.scheduler.check_integrity()
+        if not self.has_unfinished_requests():
+            # Finished ids reach the runner with the next step's message; nothing else may linger.
+            stale = set(self.runner.request_ids) - set(self.scheduler.finished_req_ids)
+            if stale:
+                raise AssertionError(f"the runner still holds finished request(s) {sorted(stale)}")
 
     def close(self) -> None:
         """Wait for pending KV stores and release connector resources."""

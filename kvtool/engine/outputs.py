@@ -1,58 +1,12 @@
-"""Per-step and per-request result types shared by scheduler, runner and engine.
+"""What the engine tells its callers: per-step request outputs, finished results, totals.
 
-The scheduler and the runner never import each other: they exchange these.
+Callers (the server's engine loop, `generate`, the workloads) read only these; none of them
+reads the engine's own `Request` objects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import msgspec
-import torch
-
-from kvtool.engine.connectors.base import KVConnectorMetadata, KVConnectorOutput
-from kvtool.engine.params import SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # absolute position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # True when this step reaches the end of the known tokens
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    num_output_tokens: int  # output tokens so far (for logprob bookkeeping)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    connector_meta: KVConnectorMetadata | None = None
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    sampled: dict[str, int]  # request id -> sampled token id
-    logprobs: dict[str, dict[int, float]]  # request id -> {token id: logprob} (sampled + top-n)
-    connector_output: KVConnectorOutput | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -60,9 +14,18 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
     request_id: str
     new_token_ids: list[int]
-    finished: bool
+    # One {token id: logprob} per new token when the request asked for logprobs.
+    new_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
     finish_reason: str | None = None
+    # The stop string or stop token id that ended the request (None for EOS or length).
+    stop_reason: str | int | None = None
     error: str | None = None
+    num_output_tokens: int = 0  # output tokens so far, these included
+    num_cached_tokens: int = 0  # prompt tokens served from the local prefix cache
+    num_external_tokens: int = 0  # prompt tokens matched through a connector
+    # The connector's answer for this request, set when it finishes (vLLM's kv_transfer_params).
+    kv_transfer_params: dict | None = None
 
 
 class RequestStats(msgspec.Struct, kw_only=True):
@@ -74,6 +37,8 @@ class RequestStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     ttft_s: float | None
     decode_s: float | None
+    queue_s: float | None = None  # arrival to first scheduling
+    prefill_s: float | None = None  # first scheduling to first token
 
 
 class RequestResult(msgspec.Struct, kw_only=True):
@@ -87,6 +52,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
     stats: RequestStats
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+    kv_transfer_params: dict | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -109,3 +76,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     load_failures: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0

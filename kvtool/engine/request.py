@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from kvtool.engine.params import SamplingParams
 
 
@@ -38,7 +36,7 @@ class Request:
         *,
         max_tokens: int,
         eos_token_ids: frozenset[int],
-        generator: torch.Generator | None,
+        seed: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
     ) -> None:
@@ -48,7 +46,8 @@ class Request:
         self.sampling = sampling
         self.max_tokens = max_tokens  # sampling.max_tokens capped by the model length
         self.eos_token_ids = eos_token_ids
-        self.generator = generator
+        # The request's sampling stream: its own seed, or one the engine drew for it.
+        self.seed = seed
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params or {}
         self.status = RequestStatus.WAITING
@@ -66,6 +65,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

@@ -10,11 +10,16 @@ Two ways to run the forward, picked once from data (`attention.select_backend`):
 
 Greedy steps without logprobs take the argmax on the device; other sampling goes through
 `sample_tokens` (CPU, reproducible across devices).
+
+The runner owns its batch state: per request, a block table, the sampling params and the
+request's random stream, built from `NewRequestData` and grown from each `ScheduledRequest`'s
+new block ids. It changes that state only from the scheduler's messages, never from the
+scheduler's objects, so a pickled copy of every step's message drives it identically.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,9 +33,16 @@ from kvtool.engine.attention import (
     attention_context,
     select_backend,
 )
-from kvtool.engine.connectors.base import KVConnectorOutput, WorkerHalf
+from kvtool.engine.connectors.base import WorkerHalf
 from kvtool.engine.kv_pages import KVPages
-from kvtool.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from kvtool.engine.messages import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvtool.engine.params import SamplingParams
 from kvtool.engine.sampler import sample_tokens
 
 MAX_GRAPH_BATCH = 512
@@ -47,6 +59,35 @@ class _ConnectorLayerHooks:
 
     def after_layer(self, layer: int) -> None:
         self.worker.save_kv_layer(layer)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the runner keeps of one request between steps (its own copy, built from messages)."""
+
+    sampling: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+    table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32))
+    num_blocks: int = 0
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        n = self.num_blocks + len(block_ids)
+        if n > len(self.table):
+            grown = np.zeros(max(n, 2 * len(self.table)), dtype=np.int32)
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
+            self.table = grown
+        self.table[self.num_blocks : n] = block_ids
+        self.num_blocks = n
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.table[: self.num_blocks]
+
+    def random_stream(self, output_index: int) -> torch.Generator:
+        """The generator for this request's output token `output_index`: it depends on the seed and
+        the position alone, so a draw is the same whatever the batch, and after a preemption."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + output_index) % (1 << 63))
 
 
 class ModelRunner:
@@ -74,6 +115,7 @@ class ModelRunner:
         self.block_size = kv_pages.geometry.block_size
         self.connector = connector
         self.generator = torch.Generator().manual_seed(seed)
+        self._states: dict[str, _RequestState] = {}
         self.hooks = _ConnectorLayerHooks(connector) if connector is not None else None
         if connector is not None:
             connector.register_kv_caches(kv_pages)
@@ -81,7 +123,6 @@ class ModelRunner:
         self.backend = select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
         self.max_model_len = max_model_len
-        self._tables: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (list id, block ids so far)
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
 
@@ -106,16 +147,33 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for)
 
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's message to the runner's own batch state."""
+        for rid in so.finished_req_ids:
+            self._states.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self._states.pop(rid, None)
+        for new in so.new_requests:
+            self._states[new.request_id] = _RequestState(
+                sampling=new.sampling, seed=new.seed, num_prompt_tokens=len(new.prompt_token_ids)
+            )
+        for s in so.scheduled:
+            if s.new_block_ids:
+                self._states[s.request_id].add_blocks(s.new_block_ids)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose state the runner holds."""
+        return list(self._states)
+
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
         if self.connector is not None and so.connector_meta is not None:
             self.connector.bind_connector_metadata(so.connector_meta)
             self.connector.start_load_kv()
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float]] = {}
-        if self._tables:
-            for rid in so.finished_req_ids | so.preempted_req_ids:
-                self._tables.pop(rid, None)
         if not so.is_empty:
             if self.backend == "cuda":
                 sampled, logprobs = self._run_cuda(so)
@@ -124,7 +182,7 @@ class ModelRunner:
         conn_out = None
         if self.connector is not None and so.connector_meta is not None:
             conn_out = self._finish_connector_step(so)
-        return RunnerOutput(sampled=sampled, logprobs=logprobs, connector_output=conn_out)
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, connector_output=conn_out)
 
     # ---- reference backend ---------------------------------------------------------------------
 
@@ -142,9 +200,10 @@ class ModelRunner:
             input_ids.extend(s.token_ids)
             pos = range(s.start, ctx_len)
             positions.extend(pos)
-            slot_blocks.extend(s.block_ids[p // bs] for p in pos)
+            block_ids = self._states[s.request_id].block_table
+            slot_blocks.extend(int(block_ids[p // bs]) for p in pos)
             slot_offsets.extend(p % bs for p in pos)
-            table = torch.tensor(s.block_ids[: -(-ctx_len // bs)], dtype=torch.long, device=self.device)
+            table = torch.from_numpy(block_ids[: -(-ctx_len // bs)].astype(np.int64)).to(self.device)
             seqs.append(SeqSpan(q_start=q_start, q_len=s.num_tokens, ctx_len=ctx_len, block_ids=table))
             if s.sample:
                 sample_rows.append(q_start + s.num_tokens - 1)
@@ -204,22 +263,8 @@ class ModelRunner:
         return self._sample(sampled, self.model.compute_logits(hidden))
 
     def _block_table(self, s: ScheduledRequest) -> np.ndarray:
-        """The request's block ids as int32, extended incrementally (block lists only grow while
-        a request runs; preempted and finished requests are dropped at the start of a step)."""
-        ids = s.block_ids
-        cached = self._tables.get(s.request_id)
-        if cached is not None:
-            list_id, arr = cached
-            n = len(arr)
-            if list_id == id(ids) and n <= len(ids) and (n == 0 or arr[n - 1] == ids[n - 1]):
-                if n == len(ids):
-                    return arr
-                arr = np.concatenate([arr, np.asarray(ids[n:], dtype=np.int32)])
-                self._tables[s.request_id] = (list_id, arr)
-                return arr
-        arr = np.asarray(ids, dtype=np.int32)
-        self._tables[s.request_id] = (id(ids), arr)
-        return arr
+        """The request's block ids as int32, from the runner's own state."""
+        return self._states[s.request_id].block_table
 
     # ---- shared --------------------------------------------------------------------------------------
 
@@ -236,10 +281,15 @@ class ModelRunner:
         self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None
     ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
         """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
-        if all(s.sampling.is_greedy and s.sampling.logprobs is None for s in seqs):
+        states = [self._states[s.request_id] for s in seqs]
+        if all(st.sampling.is_greedy and st.sampling.logprobs is None for st in states):
             tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
             return {s.request_id: t for s, t in zip(seqs, tokens)}, {}
-        tokens, lps = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.generator)
+        generators = [
+            None if st.sampling.is_greedy else st.random_stream(s.start + s.num_tokens - st.num_prompt_tokens)
+            for s, st in zip(seqs, states)
+        ]
+        tokens, lps = sample_tokens(logits, [st.sampling for st in states], generators, self.generator)
         sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
         logprobs = {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None}
         return sampled, logprobs
@@ -250,6 +300,7 @@ class ModelRunner:
         c.wait_for_save()
         sending, recving = c.get_finished(so.finished_req_ids)
         errors = c.get_block_ids_with_load_errors()
+        completions = c.take_completions()
         stats = c.take_stats()
         c.clear_connector_metadata()
         return KVConnectorOutput(
@@ -257,6 +308,7 @@ class ModelRunner:
             finished_recving=recving or set(),
             invalid_block_ids=set(errors),
             invalid_reasons=dict(errors),
+            completions=completions,
             stats=stats,
         )
 

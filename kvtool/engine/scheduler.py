@@ -6,23 +6,35 @@ requests: local prefix-cache hit first, then the connector's external hit, then 
 rest. When blocks run out, the most recently admitted running request is preempted and will be
 recomputed. The scheduler never touches a tensor, and it is the only reader of
 `kv_load_failure_policy`.
+
+What it tells the runner is a `SchedulerOutput` message: a request the runner does not know yet
+(first admission, or again after a preemption) in full, every scheduled request as the tokens of
+the step plus the blocks added to its table since the last message. Nothing in it is shared with
+the scheduler's own `Request` objects.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+import logging
+import time
+
 from kvtool.engine.block_pool import BlockPool
-from kvtool.engine.connectors.base import KVConnectorOutput, SchedulerHalf
+from kvtool.engine.connectors.base import SchedulerHalf
+from kvtool.engine.errors import KVToolError
 from kvtool.engine.hashing import extend_block_hashes
-from kvtool.engine.outputs import (
-    EngineStats,
-    RequestOutput,
-    RunnerOutput,
+from kvtool.engine.messages import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvtool.engine.outputs import EngineStats, RequestOutput
 from kvtool.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -51,7 +63,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        self.finished_req_ids: set[str] = set()
+        # request id -> how many of its block ids the runner was told (present while the runner knows it).
+        self.num_sent_blocks: dict[str, int] = {}
+        self.finished_req_ids: list[str] = []
+        # Requests that ended inside schedule() (a connector failed on them): reported by the next update.
+        self.failed_outputs: list[RequestOutput] = []
+        # Waiting requests skipped in the last schedule() because a connector lookup was still pending.
+        self.num_lookups_pending = 0
         # Blocks of finished requests that the connector still reads (until finished_sending).
         self.held_blocks: dict[str, list[int]] = {}
         self.stats = EngineStats(num_blocks=num_blocks)
@@ -89,7 +107,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: set[str] = set()
+        new_requests: list[NewRequestData] = []
+        preempted: list[str] = []
 
         # Running requests first, in admission order; preempt from the back when blocks run out.
         i = 0
@@ -100,24 +119,31 @@ class Scheduler:
             while not self.pool.can_allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.request_id in preempted:
                 break
             req.block_ids.extend(self.pool.allocate(max(need, 0)))
-            scheduled.append(self._make_scheduled(req, num_new))
+            scheduled.append(self._make_scheduled(req, num_new, new_requests))
             budget -= num_new
             i += 1
 
         # Then admit waiting requests, unless this step had to preempt.
         skipped: list[Request] = []
+        self.num_lookups_pending = 0
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            admitted = self._try_admit(req, budget)
+            try:
+                admitted = self._try_admit(req, budget, new_requests)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
+                self.waiting.popleft()
+                self._fail_inside_schedule(req, e)
+                continue
             if admitted is None:
                 break
             if admitted is False:
+                self.num_lookups_pending += 1
                 skipped.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -127,16 +153,34 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
+            new_requests=new_requests,
             scheduled=scheduled,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
-        self.finished_req_ids = set()
+        self.finished_req_ids = []
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
-    def _try_admit(self, req: Request, budget: int) -> ScheduledRequest | bool | None:
+    def _fail_inside_schedule(self, req: Request, error: Exception) -> None:
+        """End one request whose connector calls raised while it was being admitted."""
+        if isinstance(error, KVToolError):
+            message = str(error)
+        else:
+            logger.exception("scheduling request %s failed", req.request_id)
+            message = f"internal error while scheduling: {type(error).__name__}: {error}"
+        req.error = message
+        if req.status == RequestStatus.RUNNING and req in self.running:
+            self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        self.failed_outputs.append(
+            RequestOutput(request_id=req.request_id, new_token_ids=[], finished=True, finish_reason="error",
+                          error=message, num_output_tokens=len(req.output_token_ids))
+        )
+
+    def _try_admit(self, req: Request, budget: int, new_requests: list[NewRequestData]) -> ScheduledRequest | bool | None:
         """Admit one waiting request: ScheduledRequest, False (skip it this step) or None (stop admitting)."""
         bs = self.block_size
         # At least one token must be computed, so a full hit leaves the last token out.
@@ -171,19 +215,28 @@ class Scheduler:
             self.connector.update_state_after_alloc(req, req.block_ids, num_ext)
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
-        return self._make_scheduled(req, num_new)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
+        return self._make_scheduled(req, num_new, new_requests)
 
-    def _make_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _make_scheduled(self, req: Request, num_new: int, new_requests: list[NewRequestData]) -> ScheduledRequest:
+        """The step's message for one request; a request the runner does not know comes in full."""
+        rid = req.request_id
+        sent = self.num_sent_blocks.get(rid)
+        if sent is None:
+            sent = 0
+            new_requests.append(
+                NewRequestData(request_id=rid, prompt_token_ids=list(req.prompt_token_ids),
+                               output_token_ids=list(req.output_token_ids), sampling=req.sampling, seed=req.seed)
+            )
+        self.num_sent_blocks[rid] = len(req.block_ids)
         start = req.num_computed_tokens
         return ScheduledRequest(
-            request_id=req.request_id,
+            request_id=rid,
             token_ids=req.token_ids_slice(start, start + num_new),
             start=start,
-            block_ids=req.block_ids,
+            new_block_ids=req.block_ids[sent:],
             sample=start + num_new == req.num_tokens,
-            sampling=req.sampling,
-            generator=req.generator,
-            num_output_tokens=len(req.output_token_ids),
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -196,13 +249,15 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_cached_blocks.pop(req.request_id, None)
+        self.num_sent_blocks.pop(req.request_id, None)
         self.waiting.appendleft(req)
         self.stats.num_preemptions += 1
 
     # ---- results back --------------------------------------------------------------------
 
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = self.failed_outputs
+        self.failed_outputs = []
         conn_out = runner_out.connector_output
         invalid: set[int] = set()
         if conn_out is not None:
@@ -224,23 +279,33 @@ class Scheduler:
                 continue
             token = runner_out.sampled[req.request_id]
             req.output_token_ids.append(token)
-            if s.request_id in runner_out.logprobs:
-                req.logprobs.append(runner_out.logprobs[s.request_id])
+            lp = runner_out.logprobs.get(s.request_id)
+            if lp is not None:
+                req.logprobs.append(lp)
             self.stats.num_generation_tokens += 1
             if self.needs_block_hashes and req.num_tokens % bs == 0:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.none_hash, req.cache_salt)
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[token],
-                    finished=req.is_finished,
-                    finish_reason=req.status.value if req.is_finished else None,
-                )
-            )
+            outputs.append(self._output(req, [token], [lp] if lp is not None else None))
         return outputs
+
+    def _output(self, req: Request, new_token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
+        finished = req.is_finished
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+            error=req.error,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens or 0,
+            num_external_tokens=req.num_external_tokens,
+            kv_transfer_params=(req.kv_transfer_params or None) if finished else None,
+        )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling
@@ -279,9 +344,7 @@ class Scheduler:
             self.pool.evict(req.block_ids[first:])
             req.error = f"KV load failed for request {req.request_id}: {reason}"
             self._finish(req, RequestStatus.FINISHED_ERROR)
-            return RequestOutput(
-                request_id=req.request_id, new_token_ids=[], finished=True, finish_reason="error", error=req.error
-            )
+            return self._output(req, [], None)
         self.pool.evict(req.block_ids[first:])
         recomputed_from = first * self.block_size
         req.num_computed_tokens = min(req.num_computed_tokens, recomputed_from)
@@ -330,7 +393,8 @@ class Scheduler:
             self.pool.free(req.block_ids)
         req.block_ids = []
         self.num_cached_blocks.pop(req.request_id, None)
-        self.finished_req_ids.add(req.request_id)
+        if self.num_sent_blocks.pop(req.request_id, None) is not None:
+            self.finished_req_ids.append(req.request_id)
         del self.requests[req.request_id]
 
     def check_integrity(self) -> None:

@@ -305,27 +305,20 @@ class EngineLoop:
             if out.finished:
                 self._finish(out.request_id)
             elif t.job.stream and out.new_token_ids:
-                logprobs = None
-                if t.job.sampling.logprobs is not None:
-                    req = engine.request_view(out.request_id)
-                    end = t.num_sent_tokens + len(out.new_token_ids)
-                    logprobs = req.logprobs[t.num_sent_tokens : end] if req is not None else None
+                logprobs = out.new_logprobs if t.job.sampling.logprobs is not None else None
                 t.num_sent_tokens += len(out.new_token_ids)
                 t.sink.put(Tokens(list(out.new_token_ids), logprobs))
 
     def _finish(self, request_id: str) -> None:
         t = self._tracked.pop(request_id)
         self._num_in_flight = len(self._tracked)
-        req = self._engine.request_view(request_id)
-        stop_reason = req.stop_reason if req is not None else None
-        kv_params = (req.kv_transfer_params or None) if req is not None else None
         result = self._engine.pop_result(request_id)
         if self.on_finished is not None:
             try:
                 self.on_finished(result)
             except Exception:  # noqa: BLE001 - metrics must not take the loop down
                 logger.exception("on_finished callback failed")
-        t.sink.put(Finished(result, stop_reason, kv_params))
+        t.sink.put(Finished(result, result.stop_reason, result.kv_transfer_params))
 
     def _finish_stragglers(self) -> None:
         # The engine is idle but some request never reported its end: end it rather than hang its client.

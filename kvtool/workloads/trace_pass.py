@@ -117,8 +117,7 @@ def run_pass(engine: LLMEngine, requests: list[PassRequest], progress: Progress 
 
 
 def _is_finished(engine: LLMEngine, request_id: str | None) -> bool:
-    req = engine.request_view(request_id) if request_id is not None else None
-    return req is None or req.is_finished
+    return request_id is None or engine.is_finished(request_id)
 
 
 def free_device_memory() -> None:

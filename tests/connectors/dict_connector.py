@@ -79,7 +79,7 @@ class DictScheduler(SchedulerHalf):
                 done = self.stored_blocks.get(req.request_id, 0)
                 full = min((s.start + s.num_tokens) // self.bs, req.num_prompt_tokens // self.bs)
                 for i in range(done, full):
-                    stores.append(BlockJob(req.request_id, s.block_ids[i], req.block_hashes[i], self.bs))
+                    stores.append(BlockJob(req.request_id, req.block_ids[i], req.block_hashes[i], self.bs))
                 self.stored_blocks[req.request_id] = max(done, full)
         meta = DictMetadata(loads=self.pending_loads, stores=stores)
         self.inflight_loads = self.pending_loads

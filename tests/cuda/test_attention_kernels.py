@@ -109,11 +109,9 @@ def test_store_and_gather_kv():
 
 
 def _scheduled(rid, tokens, start, blocks, sample=True):
-    from kvtool.engine.outputs import ScheduledRequest
-    from kvtool.engine.params import SamplingParams
+    from kvtool.engine.messages import ScheduledRequest
 
-    return ScheduledRequest(request_id=rid, token_ids=tokens, start=start, block_ids=blocks, sample=sample,
-                            sampling=SamplingParams(temperature=0.0), generator=None, num_output_tokens=0)
+    return ScheduledRequest(request_id=rid, token_ids=tokens, start=start, new_block_ids=list(blocks), sample=sample)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +158,7 @@ def test_cuda_backend_matches_reference(case):
     v = torch.randn((t, hkv, d), device=DEV).to(torch.bfloat16)
     scale = d**-0.5
 
-    tables = [np.asarray(s.block_ids, dtype=np.int32) for s in order]
+    tables = [np.asarray(s.new_block_ids, dtype=np.int32) for s in order]
     rows = decode_rows(decode, tables[: len(decode)], bs)
     step = pack_step(decode, rows, prefill, tables[len(decode) :], bs, DEV, num_splits=4)
     meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None, device_batch=step.batch)
@@ -170,9 +168,9 @@ def test_cuda_backend_matches_reference(case):
     spans_ref, blocks, offsets, row = [], [], [], 0
     for s in order:
         ctx = s.start + s.num_tokens
-        table = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.long, device=DEV)
+        table = torch.tensor(s.new_block_ids[: -(-ctx // bs)], dtype=torch.long, device=DEV)
         spans_ref.append(SeqSpan(q_start=row, q_len=s.num_tokens, ctx_len=ctx, block_ids=table))
-        blocks += [s.block_ids[p // bs] for p in range(s.start, ctx)]
+        blocks += [s.new_block_ids[p // bs] for p in range(s.start, ctx)]
         offsets += [p % bs for p in range(s.start, ctx)]
         row += s.num_tokens
     meta_ref = AttentionMetadata(

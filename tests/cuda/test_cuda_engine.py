@@ -122,7 +122,7 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
         # 37 blocks: a layerwise save (at least LAYERWISE_MIN_BLOCKS), one copy per layer
         assert layer_calls == (list(range(engine.runner.kv_pages.geometry.num_layers)) if layerwise else [])
         worker.flush()
-        pools.append(worker.cpu.pool.clone())
+        pools.append(worker.pool.pool.clone())
         hit = engine.generate([p], GREEDY)[0]
         assert hit.stats.num_external_loaded_tokens == 592
         results.append(hit.output_token_ids)

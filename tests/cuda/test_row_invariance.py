@@ -84,8 +84,7 @@ def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
     every row the same bits."""
     from kvtool.engine.attention import AttentionMetadata, attend, attention_context, select_backend
     from kvtool.engine.kv_pages import KVGeometry, KVPages
-    from kvtool.engine.outputs import ScheduledRequest
-    from kvtool.engine.params import SamplingParams
+    from kvtool.engine.messages import ScheduledRequest
     from kvtool.engine.runner import decode_rows, pack_step
 
     assert select_backend(DEV, torch.bfloat16, 128) == "cuda"
@@ -102,9 +101,8 @@ def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
         outs = []
         for i, (start, end) in enumerate(chunks):
             spans = [(0, start, end)] + ([(1, *other)] if other and i == len(chunks) - 1 else [])
-            seqs = [ScheduledRequest(request_id=f"r{j}", token_ids=list(range(b - a)), start=a, block_ids=blocks[j],
-                                     sample=True, sampling=SamplingParams(temperature=0.0), generator=None,
-                                     num_output_tokens=0) for j, a, b in spans]
+            seqs = [ScheduledRequest(request_id=f"r{j}", token_ids=list(range(b - a)), start=a, new_block_ids=[],
+                                     sample=True) for j, a, b in spans]
             tables = [np.asarray(blocks[j], dtype=np.int32) for j, _, _ in spans]
             step = pack_step([], decode_rows([], [], bs), seqs, tables, bs, DEV, 1)
             meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None,

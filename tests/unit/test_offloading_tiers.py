@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from kvtool.engine.connectors.offloading.connector import parse_settings
-from kvtool.engine.connectors.offloading.cpu_tier import CPUTier, make_cpu_tier
+from kvtool.engine.connectors.offloading.cpu_tier import HostPool, SlotIndex, plan_num_slots
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv_pages import KVGeometry
 
@@ -13,7 +13,7 @@ G = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype="fl
 
 
 def test_lru_eviction_skips_pinned_slots():
-    tier = CPUTier(G, blocks_per_slot=1, num_slots=2, pin_memory=False)
+    tier = SlotIndex(num_slots=2)
     a = tier.allocate(b"a")
     b = tier.allocate(b"b")
     tier.unpin(b)
@@ -29,21 +29,21 @@ def test_lru_eviction_skips_pinned_slots():
 
 
 def test_drop_while_pinned_frees_at_last_unpin():
-    tier = CPUTier(G, blocks_per_slot=2, num_slots=1, pin_memory=False)
+    tier = SlotIndex(num_slots=1)
     s = tier.allocate(b"k")
     tier.drop(b"k")
     assert tier.lookup(b"k") is None
     assert tier.allocate(b"other") is None  # still pinned by the transfer
     tier.unpin(s)
     assert tier.allocate(b"other") == s
-    assert tier.slot(s).shape == (2, 2, 2, 4, 1, 4)
+    assert HostPool(G, blocks_per_slot=2, num_slots=1, pin_memory=False).slot(s).shape == (2, 2, 2, 4, 1, 4)
 
 
 def test_sizing_from_bytes_or_blocks():
     slot_bytes = G.bytes_per_block * 2
-    assert make_cpu_tier(G, 2, slot_bytes * 5 + 7, None, False).num_slots == 5
-    assert make_cpu_tier(G, 2, None, 3, False).num_slots == 3
-    assert make_cpu_tier(G, 2, 1, None, False).num_slots == 1  # always at least one slot
+    assert plan_num_slots(G, 2, slot_bytes * 5 + 7, None) == 5
+    assert plan_num_slots(G, 2, None, 3) == 3
+    assert plan_num_slots(G, 2, 1, None) == 1  # always at least one slot
 
 
 def test_settings_and_one_warning_line_for_unknown_keys(caplog):

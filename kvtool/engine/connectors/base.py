@@ -1,19 +1,24 @@
 """The connector API, mirroring vLLM's KVConnectorBase_V1: a scheduler half and a worker half.
 
-The halves share no state. They talk only through the per-step metadata the scheduler half
-builds (scheduler -> worker) and the `KVConnectorOutput` the worker half returns (worker ->
-scheduler), so a worker half could live in another process.
+The halves share no state: no object, list or tensor is reachable from both. They talk only
+through the per-step metadata the scheduler half builds (scheduler -> worker) and the
+`KVConnectorOutput` the worker half returns (worker -> scheduler, with its finished jobs as
+`completions`), so a worker half could live in another process. The scheduler half alone owns
+what is where (tier slots, pins, LRU order, indexes); the worker half moves bytes and reports.
+Nothing a scheduler half does may wait on a file system or a socket: it runs inside schedule().
 
 Call order in one engine step, as vLLM calls them:
 
-  scheduler  get_num_new_matched_tokens(req, n)   per waiting request; may repeat; no side effects
+  scheduler  check_request(req)                   once, when the engine accepts a request
+             get_num_new_matched_tokens(req, n)   per waiting request; may repeat; no side effects
              update_state_after_alloc(req, ids, k) after blocks were allocated for it
              build_connector_meta(sched_out)      once, at the end of schedule()
   worker     bind_connector_metadata(meta)
              start_load_kv()                      before the forward (loads are synchronous)
              wait_for_layer_load(l) / save_kv_layer(l)   around each layer's attention
              wait_for_save()                      after the forward
-             get_finished(finished_ids), get_block_ids_with_load_errors(), take_stats()
+             get_finished(finished_ids), get_block_ids_with_load_errors(), take_stats(),
+             take_completions()
              clear_connector_metadata()
   scheduler  update_connector_output(out)         with the worker's output
              request_finished(req, ids)           once per finished request, before its blocks are freed
@@ -29,10 +34,28 @@ import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.kv_pages import KVGeometry, KVPages
+from kvtool.engine.messages import (
+    KVConnectorCompletions,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    SchedulerOutput,
+    TransferStats,
+)
 
 if TYPE_CHECKING:
-    from kvtool.engine.outputs import SchedulerOutput
     from kvtool.engine.request import Request
+
+__all__ = [
+    "ConnectorContext",
+    "EngineIdentity",
+    "KVConnector",
+    "KVConnectorCompletions",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "SchedulerHalf",
+    "TransferStats",
+    "WorkerHalf",
+]
 
 
 class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,41 +88,16 @@ class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
     none_hash: bytes
 
 
-class KVConnectorMetadata(msgspec.Struct, kw_only=True):
-    """Scheduler -> worker payload of one step. Each connector subclasses it."""
-
-
-class TransferStats(msgspec.Struct, kw_only=True):
-    """Worker -> scheduler counters for one step (summed into engine totals)."""
-
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    load_s: float = 0.0
-    store_s: float = 0.0
-    load_failures: int = 0
-    # Per request: tokens actually loaded into / stored out of the pages this step.
-    tokens_loaded: dict[str, int] = {}
-    tokens_stored: dict[str, int] = {}
-
-
-class KVConnectorOutput(msgspec.Struct, kw_only=True):
-    """What the worker half reports after a step."""
-
-    finished_sending: set[str] = set()
-    finished_recving: set[str] = set()
-    # Blocks whose external KV failed to load (missing, torn, refused); the scheduler applies the policy.
-    invalid_block_ids: set[int] = set()
-    # Reasons by block id, for the error message under the `fail` policy.
-    invalid_reasons: dict[int, str] = {}
-    stats: TransferStats = msgspec.field(default_factory=TransferStats)
-
-
 class SchedulerHalf(abc.ABC):
     """Decides what can be loaded and what should be stored. Never touches a tensor."""
 
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
+
+    def check_request(self, request: Request) -> None:
+        """Called once by engine.add_request, before the request is queued: raise InputError for
+        a request this connector cannot serve (e.g. a malformed cache tag). Default: accept."""
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -208,6 +206,10 @@ class WorkerHalf(abc.ABC):
         errors, self.errors = self.errors, {}
         return errors
 
+    def take_completions(self) -> KVConnectorCompletions | None:
+        """Jobs finished since the last call (by id), for the scheduler half; None when nothing to report."""
+        return None
+
     def take_stats(self) -> TransferStats:
         """Counters since the last call."""
         with self._stats_lock:
@@ -226,11 +228,19 @@ class KVConnector:
     worker_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     @classmethod
+    def create_scheduler_half(cls, ctx: ConnectorContext) -> SchedulerHalf:
+        """The scheduler half alone, as the engine process builds it (no worker half needed)."""
+        return cls.scheduler_half(ctx)
+
+    @classmethod
+    def create_worker_half(cls, ctx: ConnectorContext) -> WorkerHalf | None:
+        """The worker half alone, as a worker process builds it (no scheduler half needed)."""
+        return cls.worker_half(ctx) if cls.worker_half is not None else None
+
+    @classmethod
     def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf | None]:
-        """Build both halves. A connector whose halves share a storage medium (host memory,
-        a directory) creates it here and hands it to both, as vLLM's share a memory region."""
-        worker = cls.worker_half(ctx) if cls.worker_half is not None else None
-        return cls.scheduler_half(ctx), worker
+        """Both halves, each built on its own: they share nothing but the config and the store."""
+        return cls.create_scheduler_half(ctx), cls.create_worker_half(ctx)
 
     @classmethod
     def worker_refusal(cls, device_type: str) -> str | None:

@@ -107,7 +107,7 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
 
 def validate_kv_transfer_config(config: KVTransferConfig) -> None:
     """Checks that span fields: role required with a connector, known role, known connector."""
-    from kvtool.engine.connectors.registry import registered_names
+    from kvtool.engine.connectors.names import registered_names
 
     if config.kv_role is not None and config.kv_role not in KV_ROLES:
         raise ConfigError(

@@ -6,18 +6,9 @@ import importlib
 
 from kvtool.engine.connectors.base import KVConnector
 from kvtool.engine.connectors.config import KVTransferConfig
+from kvtool.engine.connectors.names import REGISTRY as _REGISTRY
+from kvtool.engine.connectors.names import registered_names
 from kvtool.engine.errors import ConfigError
-
-# name -> (module, class); loaded lazily so a config can be checked without importing a connector.
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "LMCacheConnector": ("kvtool.engine.connectors.lmcache.connector", "LMCacheConnector"),
-    "LMCacheConnectorV1": ("kvtool.engine.connectors.lmcache.connector", "LMCacheConnector"),
-    "OffloadingConnector": ("kvtool.engine.connectors.offloading.connector", "OffloadingConnector"),
-}
-
-
-def registered_names() -> list[str]:
-    return list(_REGISTRY)
 
 
 def register_connector(name: str, module: str, class_name: str) -> None:

@@ -219,7 +219,7 @@ class LMCacheScheduler(SchedulerHalf):
         while i < len(keys) and keys[i].end <= done:
             k = keys[i]
             jobs.append(ChunkJob(request_id=req.request_id, key=k.key, start=k.start, end=k.end, skip=0,
-                                 block_ids=s.block_ids[k.start // bs : -(-k.end // bs)]))
+                                 block_ids=req.block_ids[k.start // bs : -(-k.end // bs)]))
             i += 1
         self.next_store[req.request_id] = i
         return jobs
@@ -397,14 +397,19 @@ class LMCacheConnector(KVConnector):
     scheduler_half = LMCacheScheduler
     worker_half = LMCacheWorker
 
-    @classmethod
-    def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf]:
+    @staticmethod
+    def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:
         identity = ctx.identity
         settings, key_settings = parse_settings(
             dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype, identity.geometry.block_size
         )
         assert settings.host is not None and settings.port is not None
+        return settings, key_settings
+
+    @classmethod
+    def create_scheduler_half(cls, ctx: ConnectorContext) -> LMCacheScheduler:
         # Each half has its own client: the halves share no state, only the server.
+        settings, key_settings = cls._settings(ctx)
         lookup_client = LMClient(settings.host, settings.port, connections=1, timeout_s=settings.timeout_s)
         if not lookup_client.health():
             where = f"lm://{settings.host}:{settings.port}"
@@ -415,8 +420,10 @@ class LMCacheConnector(KVConnector):
                     '"kv_load_failure_policy": "recompute" to run without it'
                 )
             logger.warning("LMCache server at %s is not reachable; prompts are computed until it is", where)
+        return LMCacheScheduler(ctx, settings, key_settings, lookup_client)
+
+    @classmethod
+    def create_worker_half(cls, ctx: ConnectorContext) -> LMCacheWorker:
+        settings, _ = cls._settings(ctx)
         worker_client = LMClient(settings.host, settings.port, connections=settings.connections, timeout_s=settings.timeout_s)
-        return (
-            LMCacheScheduler(ctx, settings, key_settings, lookup_client),
-            LMCacheWorker(ctx, settings, worker_client),
-        )
+        return LMCacheWorker(ctx, settings, worker_client)

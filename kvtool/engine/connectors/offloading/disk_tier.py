@@ -240,6 +240,8 @@ class DiskTier:
         self._last_ns = 0
         # LRU candidates (mtime_ns, path, size); stale entries are re-checked when popped.
         self._lru: list[tuple[int, str, int]] | None = None
+        # Block hashes of this identity evicted to stay under the capacity, until take_evicted().
+        self._evicted: list[bytes] = []
         if capacity_bytes:
             # Recount at start: a crash between a rename and its ledger update leaves drift.
             with self._ledger_locked() as ledger:
@@ -444,6 +446,22 @@ class DiskTier:
             except FileNotFoundError:
                 continue
             ledger.used_bytes -= st.st_size
+            self._note_evicted(path)
+
+    def _note_evicted(self, path: str) -> None:
+        name = os.path.basename(path)
+        if os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(path)))) != self.digest:
+            return
+        try:
+            self._evicted.append(bytes.fromhex(name[: -len(BLOCK_SUFFIX)]))
+        except ValueError:
+            pass
+
+    def take_evicted(self) -> list[bytes]:
+        """Block hashes of this identity that evictions removed since the last call."""
+        with self._commit_lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _rescan_locked(self, ledger: TierLedger) -> None:
         """Recount every block file under root_dir, rebuild the LRU queue, drop orphaned temp files."""

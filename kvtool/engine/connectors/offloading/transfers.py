@@ -29,7 +29,7 @@ its K/V, so the copies run beside the layers that follow instead of after the st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,6 +73,8 @@ class StoreTicket:
     start: torch.cuda.Event
     page_blocks: np.ndarray  # page blocks the copies read
     num_bytes: int
+    # The store jobs whose copies this ticket carries (reported finished once it completes).
+    job_ids: list[int] = field(default_factory=list)
 
 
 class SlotTransfers:

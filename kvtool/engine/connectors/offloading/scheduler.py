@@ -1,0 +1,200 @@
+"""The OffloadingConnector's scheduler half: what the tiers hold, what to load, what to store.
+
+It alone owns the state: the CPU slot index (keys, LRU order, pins) and the in-memory disk
+index. Lookups are dict and set operations, never a file system call. Each load or store job it
+plans pins its slot; the pin is released when the worker half reports the job finished.
+
+Keys are vLLM's: the chained block hash of the last engine block of an offload block, followed
+by the KV-cache group index as 4 big-endian bytes. A lookup walks the chain longest-prefix
+first, in the CPU tier, then on disk; a disk hit is promoted into a CPU slot and loaded from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
+from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
+from kvtool.engine.connectors.offloading.disk_index import DiskIndex
+from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
+from kvtool.engine.messages import KVConnectorOutput
+
+
+def block_hash_of(key: bytes) -> bytes:
+    """The block hash inside an offload key (vLLM's layout: block hash + 4-byte group index).
+
+    Disk files are named by the block hash alone; their header carries the identity.
+    """
+    return key[:-4]
+
+
+class OffloadingScheduler(SchedulerHalf):
+    def __init__(self, ctx: ConnectorContext, settings, num_slots: int, disk_index: DiskIndex | None) -> None:
+        super().__init__(ctx)
+        self.settings = settings
+        self.slots = SlotIndex(num_slots)
+        self.disk = disk_index
+        self.block_size = ctx.identity.geometry.block_size
+        self.obt = settings.offload_block_tokens or self.block_size
+        self.blocks_per_offload = self.obt // self.block_size
+        self.group_suffix = settings.group_idx.to_bytes(4, "big")
+        self.requests: dict = {}
+        self.next_store: dict[str, int] = {}
+        self.pending_loads: list[LoadJob] = []
+        self.inflight_loads: list[LoadJob] = []
+        self.inflight_stores: list[StoreJob] = []
+        # job id -> the slot whose pin the job holds (released when the worker reports it finished).
+        self.job_slots: dict[int, int | None] = {}
+        self._job_ids = itertools.count()
+        # Disk writes in flight (job id -> block hash, and a count per hash): not planned twice.
+        self.writing: dict[int, bytes] = {}
+        self.num_writing: dict[bytes, int] = {}
+        # Keys whose bytes were refused in this process: not matched again until re-stored.
+        self.refused: set[bytes] = set()
+
+    def _key(self, request, j: int) -> bytes:
+        return request.block_hashes[(j + 1) * self.blocks_per_offload - 1] + self.group_suffix
+
+    def _on_disk(self, key: bytes) -> bool:
+        return self.disk is not None and block_hash_of(key) in self.disk
+
+    def _available(self, key: bytes) -> bool:
+        if key in self.refused:
+            return False
+        return self.slots.lookup(key) is not None or self._on_disk(key)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.is_kv_consumer:
+            return 0, False
+        # Whole offload blocks only, and at least the last prompt token is left to compute.
+        last = min((request.num_tokens - 1) // self.obt, len(request.block_hashes) // self.blocks_per_offload)
+        j = num_computed_tokens // self.obt
+        while j < last and self._available(self._key(request, j)):
+            j += 1
+        return max(0, j * self.obt - num_computed_tokens), False
+
+    def _job(self, slot: int | None) -> int:
+        job_id = next(self._job_ids)
+        self.job_slots[job_id] = slot
+        return job_id
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.requests[request.request_id] = request
+        if num_external_tokens <= 0:
+            return
+        start = request.num_computed_tokens
+        end = start + num_external_tokens
+        k = self.blocks_per_offload
+        for j in range(start // self.obt, -(-end // self.obt)):
+            lo = max(j * k, start // self.block_size)
+            hi = min((j + 1) * k, -(-end // self.block_size))
+            key = self._key(request, j)
+            slot = self.slots.lookup(key)
+            if slot is not None:
+                self.slots.pin(slot)
+                self.slots.touch(key)
+                from_disk = False
+            else:
+                slot = self.slots.allocate(key)  # promotion target; None when every slot is busy
+                from_disk = True
+            self.pending_loads.append(
+                LoadJob(job_id=self._job(slot), request_id=request.request_id, key=key, index=j,
+                        block_ids=list(block_ids[lo:hi]), first=lo - j * k, slot=slot, from_disk=from_disk)
+            )
+
+    def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
+        stores: list[StoreJob] = []
+        if self.config.is_kv_producer:
+            for s in scheduler_output.scheduled:
+                req = self.requests.get(s.request_id)
+                if req is not None:
+                    stores.extend(self._plan_stores(req, s))
+        meta = OffloadingMetadata(loads=self.pending_loads, stores=stores)
+        self.inflight_loads = self.pending_loads
+        self.inflight_stores = stores
+        self.pending_loads = []
+        return meta
+
+    def _plan_stores(self, req, s) -> list[StoreJob]:
+        done = s.start + s.num_tokens
+        if self.settings.offload_prompt_only:
+            done = min(done, req.num_prompt_tokens)
+        full = min(done // self.obt, len(req.block_hashes) // self.blocks_per_offload)
+        j = self.next_store.get(req.request_id, 0)
+        k = self.blocks_per_offload
+        jobs = []
+        has_disk = self.disk is not None
+        while j < full:
+            key = self._key(req, j)
+            repair = key in self.refused
+            slot = None if repair else self.slots.lookup(key)
+            bh = block_hash_of(key)
+            on_disk = has_disk and not repair and (bh in self.disk or bh in self.num_writing)
+            blocks = list(req.block_ids[j * k : (j + 1) * k])
+            if slot is not None:
+                self.slots.touch(key)
+                if has_disk and not on_disk:
+                    self.slots.pin(slot)
+                    jobs.append(self._store(req, key, blocks, slot, copy=False))
+            elif not on_disk:
+                slot = self.slots.allocate(key)
+                if slot is not None:
+                    self.refused.discard(key)
+                    jobs.append(self._store(req, key, blocks, slot, copy=True))
+            j += 1
+        self.next_store[req.request_id] = j
+        return jobs
+
+    def _store(self, req, key: bytes, blocks: list[int], slot: int, copy: bool) -> StoreJob:
+        job_id = self._job(slot)
+        write = self.disk is not None
+        if write:
+            bh = block_hash_of(key)
+            self.writing[job_id] = bh
+            self.num_writing[bh] = self.num_writing.get(bh, 0) + 1
+        return StoreJob(job_id=job_id, request_id=req.request_id, key=key, block_ids=blocks, slot=slot,
+                        copy_from_pages=copy, write_to_disk=write)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        done = output.completions
+        if isinstance(done, OffloadingCompletions):
+            if self.disk is not None:
+                for bh in done.written:
+                    self.disk.add(bh)
+                for bh in done.evicted:
+                    self.disk.discard(bh)
+            for job_id in done.finished_job_ids:
+                bh = self.writing.pop(job_id, None)
+                if bh is not None:
+                    left = self.num_writing.pop(bh) - 1
+                    if left:
+                        self.num_writing[bh] = left
+                slot = self.job_slots.pop(job_id, None)
+                if slot is not None:
+                    self.slots.unpin(slot)
+        if output.invalid_block_ids:
+            failed: dict[str, int] = {}
+            for job in self.inflight_loads:
+                if not output.invalid_block_ids.isdisjoint(job.block_ids):
+                    self.slots.drop(job.key)
+                    self.refused.add(job.key)
+                    failed[job.request_id] = min(failed.get(job.request_id, job.index), job.index)
+            # The worker skipped these requests' stores (computed over KV that failed to load):
+            # forget their slots, and store again from the first bad block after a recompute.
+            for job in self.inflight_stores:
+                if job.request_id in failed and job.copy_from_pages:
+                    self.slots.drop(job.key)
+            for rid, j in failed.items():
+                if rid in self.next_store:
+                    self.next_store[rid] = min(self.next_store[rid], j)
+        self.inflight_loads = []
+        self.inflight_stores = []
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.requests.pop(request.request_id, None)
+        self.next_store.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
