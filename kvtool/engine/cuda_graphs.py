@@ -65,9 +65,11 @@ class DecodeGraphs:
     def fits(self, batch: int, max_context: int) -> bool:
         return batch <= self.max_batch and -(-max_context // self.block_size) <= self.width
 
-    def run(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: np.ndarray, patch: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for rows [B, NUM_FIXED + w] (int32, w <= width).
 
+        `patch(token_ids)`, when given, rewrites some of the rows' token ids on the device after
+        the copy and before the replay (async scheduling's tokens from the previous step).
         Returns (logits [B, V], greedy tokens [B]), both graph memory: read them before the next replay.
         """
         batch, cols = rows.shape
@@ -81,6 +83,8 @@ class DecodeGraphs:
         # Whole rows: one contiguous copy. Columns past a row's context are never read.
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
         self.copied.record()
+        if patch is not None:
+            patch(self.static[:batch, 0])
         self.graphs[bucket].replay()
         logits, tokens = self.outputs[bucket]
         return logits[:batch], tokens[:batch]

@@ -164,6 +164,11 @@ class LLMEngine:
         )
         self.worker_connector = worker_half
         self.scheduler_connector = scheduler_half
+        self.async_scheduling = (
+            params.async_scheduling if params.async_scheduling is not None else self.device.type == "cuda"
+        )
+        # Under async scheduling: the step the device is running (its message and its pending result).
+        self._in_flight = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # Seeds for requests that bring none: reproducible from --seed, independent of batching.
@@ -255,16 +260,35 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step. Returns what changed for each request that produced a token or ended."""
+    def _schedule(self):
         so = self.scheduler.schedule()
         if so.is_empty and self.scheduler.num_lookups_pending and not self.scheduler.failed_outputs:
             # Every waiting request waits for an asynchronous connector lookup: nothing to run yet.
             time.sleep(LOOKUP_POLL_S)
-        ro = self.runner.execute(so)
-        outputs = self.scheduler.update_from_output(so, ro)
+        return so
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step. Returns what changed for each request that produced a token or ended.
+
+        Under async scheduling the step schedules and queues the next batch first, then waits for
+        the batch already on the device and reports it: the host schedules while the device computes.
+        """
+        if not self.async_scheduling:
+            so = self._schedule()
+            outputs = self.scheduler.update_from_output(so, self.runner.execute(so))
+            return self._after_step(outputs)
+        previous, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests():
+            so = self._schedule()
+            self._in_flight = (so, self.runner.execute_async(so))
+        if previous is None:
+            return []
+        so, pending = previous
+        return self._after_step(self.scheduler.update_from_output(so, pending.result()))
+
+    def _after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         now = time.perf_counter()
         for out in outputs:
             req = self._requests[out.request_id]

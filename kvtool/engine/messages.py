@@ -22,6 +22,11 @@ import msgspec
 from kvtool.engine.params import SamplingParams
 
 
+# In a ScheduledRequest's token_ids under async scheduling: the token the request sampled in the
+# step still in flight, which the runner takes from its own last sample (on the device).
+PLACEHOLDER_TOKEN = -1
+
+
 class NewRequestData(msgspec.Struct, kw_only=True):
     """A request the runner does not know yet, in full (its block table starts empty)."""
 
@@ -38,7 +43,7 @@ class ScheduledRequest(msgspec.Struct, kw_only=True):
     """One request's share of a step."""
 
     request_id: str
-    token_ids: list[int]  # the tokens computed this step
+    token_ids: list[int]  # the tokens computed this step (PLACEHOLDER_TOKEN: the in-flight sample)
     start: int  # absolute position of token_ids[0] (= num_computed_tokens before the step)
     new_block_ids: list[int]  # blocks appended to the request's table since the last message
     sample: bool  # True when this step reaches the end of the known tokens

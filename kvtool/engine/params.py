@@ -34,6 +34,8 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None
+    # Schedule step N+1 while the device runs step N (vLLM's --async-scheduling); None: on for CUDA.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvtool.engine.messages import PLACEHOLDER_TOKEN
 from kvtool.engine.params import SamplingParams
 
 
@@ -51,7 +52,14 @@ class Request:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params or {}
         self.status = RequestStatus.WAITING
+        # Advanced when a step is scheduled (vLLM's rule), so the next step can be scheduled
+        # before this one's result is back; a preemption or a load failure moves it back.
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): known to the device only.
+        self.num_output_placeholders = 0
+        # The step that loads this request's external KV is in flight: nothing more is scheduled
+        # for it until that step's result (a failed load moves num_computed_tokens back).
+        self.has_load_in_flight = False
         # Tokens of the prompt served from the local prefix cache / loaded through a connector
         # at this request's first admission (what the user is told; preemption does not reset them).
         self.num_cached_tokens: int | None = None
@@ -81,9 +89,20 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def num_scheduled_tokens_total(self) -> int:
+        """Known tokens plus the samples of steps still in flight."""
+        return self.num_tokens + self.num_output_placeholders
+
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without copying the whole sequence (a decode step reads one token)."""
+        """all_token_ids[start:end] without copying the whole sequence (a decode step reads one token).
+
+        Positions past the known tokens (samples still in flight) read as PLACEHOLDER_TOKEN.
+        """
         n = len(self.prompt_token_ids)
+        known = self.num_tokens
+        if end > known:
+            return self.token_ids_slice(start, known) + [PLACEHOLDER_TOKEN] * (end - max(start, known))
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         if end <= n:

@@ -36,9 +36,9 @@ from kvtool.engine.attention import (
 from kvtool.engine.connectors.base import WorkerHalf
 from kvtool.engine.kv_pages import KVPages
 from kvtool.engine.messages import (
+    PLACEHOLDER_TOKEN,
     KVConnectorOutput,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -90,6 +90,42 @@ class _RequestState:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + output_index) % (1 << 63))
 
 
+@dataclass(slots=True)
+class SampledTokens:
+    """One step's sampled tokens: rows in `req_ids` order, on the device or the host."""
+
+    req_ids: list[str]
+    tokens: torch.Tensor  # [S] int64
+    logprobs: dict[str, dict[int, float]]
+
+
+class PendingOutput:
+    """A step the device may still be running. `result()` waits for it (one small copy, no other sync)."""
+
+    def __init__(self, sampled: SampledTokens | None, connector_output: KVConnectorOutput | None) -> None:
+        self._sampled = sampled
+        self._connector_output = connector_output
+        self._host: torch.Tensor | None = None
+        self._event = None
+        if sampled is not None and sampled.tokens.device.type == "cuda":
+            self._host = torch.empty(sampled.tokens.shape, dtype=sampled.tokens.dtype, pin_memory=True)
+            self._host.copy_(sampled.tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        s = self._sampled
+        if s is None:
+            return ModelRunnerOutput(connector_output=self._connector_output)
+        if self._event is not None:
+            self._event.synchronize()
+            tokens = self._host.tolist()
+        else:
+            tokens = s.tokens.tolist()
+        return ModelRunnerOutput(sampled=dict(zip(s.req_ids, tokens)), logprobs=s.logprobs,
+                                 connector_output=self._connector_output)
+
+
 class ModelRunner:
     """Executes scheduled steps on one model and its KV pages.
 
@@ -116,6 +152,9 @@ class ModelRunner:
         self.connector = connector
         self.generator = torch.Generator().manual_seed(seed)
         self._states: dict[str, _RequestState] = {}
+        # The last step's samples, for the decode tokens of the next step under async scheduling.
+        self._prev: SampledTokens | None = None
+        self._prev_rows: dict[str, int] = {}
         self.hooks = _ConnectorLayerHooks(connector) if connector is not None else None
         if connector is not None:
             connector.register_kv_caches(kv_pages)
@@ -166,27 +205,58 @@ class ModelRunner:
         """Requests whose state the runner holds."""
         return list(self._states)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its result."""
+        return self.execute_async(so).result()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it (async scheduling).
+
+        The step's decode tokens given as PLACEHOLDER_TOKEN are the previous step's samples,
+        taken on the device; its own samples come back through `PendingOutput.result()`.
+        """
         self._update_states(so)
         if self.connector is not None and so.connector_meta is not None:
             self.connector.bind_connector_metadata(so.connector_meta)
             self.connector.start_load_kv()
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, dict[int, float]] = {}
+        sampled = None
         if not so.is_empty:
             if self.backend == "cuda":
-                sampled, logprobs = self._run_cuda(so)
+                sampled = self._run_cuda(so)
             else:
-                sampled, logprobs = self._forward_and_sample(so)
+                sampled = self._forward_and_sample(so)
+        if sampled is not None:
+            self._prev = sampled
+            self._prev_rows = {rid: i for i, rid in enumerate(sampled.req_ids)}
         conn_out = None
         if self.connector is not None and so.connector_meta is not None:
             conn_out = self._finish_connector_step(so)
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, connector_output=conn_out)
+        return PendingOutput(sampled, conn_out)
+
+    def _placeholder_rows(self, seqs: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
+        """(rows in `seqs`, rows in the previous samples) of the tokens to take from the previous step."""
+        dst, src = [], []
+        for i, s in enumerate(seqs):
+            if s.token_ids[0] == PLACEHOLDER_TOKEN:
+                dst.append(i)
+                src.append(self._prev_rows[s.request_id])
+        return dst, src
+
+    def _resolve_placeholders_host(self, s: ScheduledRequest) -> list[int]:
+        if s.token_ids[0] != PLACEHOLDER_TOKEN:
+            return s.token_ids
+        return [int(self._prev.tokens[self._prev_rows[s.request_id]])]
+
+    def _patch_from_previous(self, target: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        """target[dst] = previous samples[src], on the device: the host never waits for them."""
+        idx = torch.tensor([dst, src], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        prev = self._prev.tokens.to(self.device, non_blocking=True)
+        target.index_copy_(0, idx[0], prev.index_select(0, idx[1]).to(target.dtype))
 
     # ---- reference backend ---------------------------------------------------------------------
 
-    def _forward_and_sample(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+    def _forward_and_sample(self, so: SchedulerOutput) -> SampledTokens | None:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -197,7 +267,7 @@ class ModelRunner:
         for s in so.scheduled:
             q_start = len(input_ids)
             ctx_len = s.start + s.num_tokens
-            input_ids.extend(s.token_ids)
+            input_ids.extend(self._resolve_placeholders_host(s))
             pos = range(s.start, ctx_len)
             positions.extend(pos)
             block_ids = self._states[s.request_id].block_table
@@ -222,32 +292,36 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev),
             )
         if not sample_rows:
-            return {}, {}
+            return None
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return self._sample([s for s in so.scheduled if s.sample], logits)
 
     # ---- CUDA backend ------------------------------------------------------------------------------
 
-    def _run_cuda(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+    def _run_cuda(self, so: SchedulerOutput) -> SampledTokens | None:
         decode = [s for s in so.scheduled if s.num_tokens == 1]
         prefill = [s for s in so.scheduled if s.num_tokens > 1]
         hooks = self.hooks if self._layer_hooks_needed() else None
         rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
+        dst, src = self._placeholder_rows(decode)
         graphs = self.graphs
         if not prefill and hooks is None and graphs is not None and graphs.fits(len(decode), int(rows[:, 3].max())):
             self._order_page_writes(rows[:, 2] // self.block_size)
-            logits, greedy = graphs.run(rows)
+            patch = (lambda ids: self._patch_from_previous(ids, dst, src)) if dst else None
+            logits, greedy = graphs.run(rows, patch)
             sampled = [s for s in decode if s.sample]
             if len(sampled) < len(decode):
                 keep = torch.tensor([i for i, s in enumerate(decode) if s.sample], dtype=torch.long, device=self.device)
                 logits, greedy = logits.index_select(0, keep), greedy.index_select(0, keep)
-            return self._sample(sampled, logits, greedy) if sampled else ({}, {})
+            return self._sample(sampled, logits, greedy) if sampled else None
 
         step = pack_step(
             decode, rows, prefill, [self._block_table(s) for s in prefill], self.block_size, self.device,
             self.num_splits_for(len(decode), self.max_context),
         )
+        if dst:
+            self._patch_from_previous(step.input_ids, dst, src)
         meta = AttentionMetadata(
             kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None, hooks=hooks,
             device_batch=step.batch,
@@ -257,7 +331,7 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
-            return {}, {}
+            return None
         if len(sampled) != hidden.shape[0]:
             hidden = hidden.index_select(0, step.sample_rows)
         return self._sample(sampled, self.model.compute_logits(hidden))
@@ -279,20 +353,21 @@ class ModelRunner:
 
     def _sample(
         self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None
-    ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+    ) -> SampledTokens:
         """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
         states = [self._states[s.request_id] for s in seqs]
+        req_ids = [s.request_id for s in seqs]
         if all(st.sampling.is_greedy and st.sampling.logprobs is None for st in states):
-            tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-            return {s.request_id: t for s, t in zip(seqs, tokens)}, {}
+            # On the device: the host reads them only when the step's result is asked for.
+            tokens = greedy.clone() if greedy is not None else logits.argmax(dim=-1)
+            return SampledTokens(req_ids, tokens, {})
         generators = [
             None if st.sampling.is_greedy else st.random_stream(s.start + s.num_tokens - st.num_prompt_tokens)
             for s, st in zip(seqs, states)
         ]
         tokens, lps = sample_tokens(logits, [st.sampling for st in states], generators, self.generator)
-        sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
-        logprobs = {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None}
-        return sampled, logprobs
+        logprobs = {rid: lp for rid, lp in zip(req_ids, lps) if lp is not None}
+        return SampledTokens(req_ids, torch.tensor(tokens, dtype=torch.int64), logprobs)
 
     def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
         c = self.connector

@@ -70,6 +70,8 @@ class Scheduler:
         self.failed_outputs: list[RequestOutput] = []
         # Waiting requests skipped in the last schedule() because a connector lookup was still pending.
         self.num_lookups_pending = 0
+        # One entry per step scheduled and not yet updated (two at most under async scheduling).
+        self.steps_in_flight: deque[dict[str, int]] = deque()
         # Blocks of finished requests that the connector still reads (until finished_sending).
         self.held_blocks: dict[str, list[int]] = {}
         self.stats = EngineStats(num_blocks=num_blocks)
@@ -114,7 +116,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_scheduled_tokens_total - req.num_computed_tokens, budget)
+            if (num_new <= 0 or req.has_load_in_flight
+                    or len(req.output_token_ids) + req.num_output_placeholders >= req.max_tokens):
+                # Waiting for a step in flight (its load, or its last sample): nothing to add now.
+                i += 1
+                continue
             need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
             while not self.pool.can_allocate(need):
                 victim = self.running.pop()
@@ -158,6 +165,9 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
+        # Which incarnation of each request this step computes for: a preemption in between
+        # makes its result stale.
+        self.steps_in_flight.append({s.request_id: self.requests[s.request_id].num_preemptions for s in scheduled})
         self.finished_req_ids = []
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
@@ -214,6 +224,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.update_state_after_alloc(req, req.block_ids, num_ext)
         req.num_computed_tokens = num_computed
+        req.has_load_in_flight = num_ext > 0
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
@@ -231,12 +242,16 @@ class Scheduler:
             )
         self.num_sent_blocks[rid] = len(req.block_ids)
         start = req.num_computed_tokens
+        sample = start + num_new == req.num_scheduled_tokens_total
+        req.num_computed_tokens += num_new
+        if sample:
+            req.num_output_placeholders += 1
         return ScheduledRequest(
             request_id=rid,
             token_ids=req.token_ids_slice(start, start + num_new),
             start=start,
             new_block_ids=req.block_ids[sent:],
-            sample=start + num_new == req.num_tokens,
+            sample=sample,
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -248,6 +263,8 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        req.num_output_placeholders = 0
+        req.has_load_in_flight = False
         self.num_cached_blocks.pop(req.request_id, None)
         self.num_sent_blocks.pop(req.request_id, None)
         self.waiting.appendleft(req)
@@ -264,17 +281,22 @@ class Scheduler:
             invalid = conn_out.invalid_block_ids
             self._apply_connector_output(conn_out)
         bs = self.block_size
+        incarnations = self.steps_in_flight.popleft() if self.steps_in_flight else {}
         for s in sched_out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
                 continue
+            if incarnations.get(s.request_id, req.num_preemptions) != req.num_preemptions:
+                continue  # preempted after this step was scheduled: recomputed from scratch
+            req.has_load_in_flight = False
+            if s.sample:
+                req.num_output_placeholders -= 1
             if invalid and not invalid.isdisjoint(req.block_ids):
                 out = self._handle_invalid_blocks(req, invalid, conn_out)
                 if out is not None:
                     outputs.append(out)
                 continue
-            req.num_computed_tokens += s.num_tokens
-            self._cache_full_blocks(req)
+            self._cache_full_blocks(req, s.start + s.num_tokens)
             if not s.sample:
                 continue
             token = runner_out.sampled[req.request_id]
@@ -319,9 +341,10 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _cache_full_blocks(self, req: Request) -> None:
+    def _cache_full_blocks(self, req: Request, num_computed: int) -> None:
+        """Register the request's blocks that are full up to `num_computed` (a step's result is in)."""
         done = self.num_cached_blocks.get(req.request_id, 0)
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        full = min(num_computed // self.block_size, len(req.block_hashes))
         if full > done:
             self.pool.cache_blocks(req.block_ids, req.block_hashes, done, full)
             self.num_cached_blocks[req.request_id] = full
