@@ -38,6 +38,7 @@ _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("enable_prefix_caching", True, Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV of shared prompt prefixes.")]),
     ("max_num_batched_tokens", 2048, Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one engine step (chunked prefill).")]),
     ("max_num_seqs", 256, Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]),
+    ("enforce_eager", False, Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: run every decode step eagerly.")]),
     ("async_scheduling", None, Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (default: on for CUDA).")]),
 ]
 ENGINE_OPTION_NAMES = [name for name, _, _ in _ENGINE_OPTIONS]
@@ -76,6 +77,7 @@ def build_engine_params(**opts) -> EngineParams:
         max_num_seqs=opts["max_num_seqs"],
         kv_transfer_config=parse_kv_transfer_config(opts["kv_transfer_config"]),
         async_scheduling=opts["async_scheduling"],
+        enforce_eager=opts["enforce_eager"],
     )
 
 

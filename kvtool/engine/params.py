@@ -36,6 +36,10 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_transfer_config: KVTransferConfig | None = None
     # Schedule step N+1 while the device runs step N (vLLM's --async-scheduling); None: on for CUDA.
     async_scheduling: bool | None = None
+    # No CUDA graphs: every decode step runs eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    # "auto": picked from data (device, dtype, head_dim, Triton); "reference": the torch SDPA path.
+    attention_backend: Literal["auto", "reference"] = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -144,6 +144,7 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         use_fused_ops: bool = True,
         max_model_len: int | None = None,
+        backend: str = "auto",
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -159,7 +160,7 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(kv_pages)
         geometry = kv_pages.geometry
-        self.backend = select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
+        self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
         self.max_model_len = max_model_len
         if self.backend == "cuda":

@@ -38,12 +38,11 @@ def cuda_engine(tiny_model_dir):
     engines = []
 
     def factory(graphs=True, **overrides):
-        params = {"model": str(tiny_model_dir), "device": "cuda", "dtype": "bfloat16", "num_gpu_blocks": 600}
+        params = {"model": str(tiny_model_dir), "device": "cuda", "dtype": "bfloat16", "num_gpu_blocks": 600,
+                  "enforce_eager": not graphs}
         params.update(overrides)
         engine = LLMEngine(EngineParams(**params))
-        assert engine.runner.backend == "cuda"
-        if not graphs:
-            engine.runner.graphs = None
+        assert engine.runner.backend == ("reference" if params.get("attention_backend") == "reference" else "cuda")
         engines.append(engine)
         return engine
 
@@ -86,8 +85,7 @@ def test_fast_path_logprobs_close_to_reference(cuda_engine):
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     prompts = [prompt(n, seed=n) for n in (7, 130, 333)]
     fast = cuda_engine()
-    ref = cuda_engine(graphs=False)
-    ref.runner.backend = "reference"
+    ref = cuda_engine(graphs=False, attention_backend="reference")
     a = fast.generate(prompts, sp)
     b = ref.generate(prompts, sp)
     for x, y in zip(a, b):
@@ -195,3 +193,18 @@ def test_slot_transfers_load_and_store(scattered):
             assert torch.equal(flat[slot_block], flat[src])
     finally:
         tr.STAGING_BYTES = old
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_async_scheduling_equals_sync(cuda_engine, graphs):
+    """Step N+1 queued while step N runs: the same tokens and logprobs as the synchronous engine
+    (requests end by length, so both modes run the very same batches)."""
+    prompts = [prompt(30 + 41 * i, seed=i) for i in range(8)]
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=1 if i % 2 else None)
+              for i in range(8)]
+    runs = []
+    for mode in (False, True):
+        engine = cuda_engine(graphs=graphs, async_scheduling=mode)
+        assert engine.async_scheduling is mode
+        runs.append([(r.output_token_ids, r.logprobs) for r in engine.generate(prompts, params)])
+    assert runs[0] == runs[1]
