@@ -384,6 +384,11 @@ class LLMEngine:
         s.num_waiting = len(self.scheduler.waiting)
         return s
 
+    def flush_connector(self) -> None:
+        """Wait until the connector's background stores (disk writes, remote PUTs) have landed."""
+        if self.worker_connector is not None:
+            self.worker_connector.flush()
+
     def reset_prefix_cache(self) -> None:
         self.scheduler.pool.reset_prefix_cache()
 

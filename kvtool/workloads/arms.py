@@ -31,6 +31,7 @@ from typing import Literal
 import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig, parse_kv_transfer_config
+from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.errors import ConfigError
 
 BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "hf")
@@ -41,7 +42,6 @@ REFERENCE_ARM = "none"
 Reuse = Literal["none", "prefix-cache", "connector", "hf", "server"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
-_LMCACHE_NAMES = ("LMCacheConnector", "LMCacheConnectorV1")
 
 
 class Arm(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,8 +111,10 @@ def parse_arm_spec(spec: str) -> Arm:
         raise ConfigError(f"arm {name!r}: {e}") from None
     if ktc is None or ktc.kv_connector is None:
         return Arm(name=name, kv_transfer_config=None, reuse="prefix-cache", enable_prefix_caching=True)
-    has_disk_tier = ktc.kv_connector == "OffloadingConnector" and bool(ktc.extra("root_dir"))
-    return Arm(name=name, kv_transfer_config=doc, reuse="connector", survives_restart=_outlives_engine(ktc),
+    outlives = _outlives_engine(ktc)
+    # A local tier that outlives the engine (a disk tier) is proven by rebuilding the engine first.
+    has_disk_tier = outlives and resolve_connector(ktc).hit_source(ktc, rebuilt=True) == "disk"
+    return Arm(name=name, kv_transfer_config=doc, reuse="connector", survives_restart=outlives,
                rebuild_before_reuse=has_disk_tier)
 
 
@@ -122,13 +124,12 @@ def arm_from_config(name: str, doc: str) -> Arm:
 
 
 def _outlives_engine(ktc: KVTransferConfig) -> bool:
-    if ktc.kv_connector == "OffloadingConnector":
-        return bool(ktc.extra("root_dir"))
-    return True
+    return resolve_connector(ktc).outlives_engine(ktc)
 
 
 def hit_unit_tokens(arm: Arm, block_size: int) -> int:
-    """The granularity at which the arm can serve a prefix: whole blocks, chunks or offload blocks.
+    """The granularity at which the arm can serve a prefix: whole blocks, chunks or offload blocks
+    (the connector's own answer).
 
     A prompt of n tokens can have at most (n - 1) // unit * unit tokens served (the last prompt
     token is always computed).
@@ -136,17 +137,7 @@ def hit_unit_tokens(arm: Arm, block_size: int) -> int:
     ktc = arm.parsed_config()
     if ktc is None or ktc.kv_connector is None:
         return 1 if arm.reuse == "hf" else block_size
-    extra = ktc.kv_connector_extra_config
-    if ktc.kv_connector == "OffloadingConnector":
-        value = extra.get("offload_block_tokens", extra.get("block_size"))
-        return int(value) if isinstance(value, int) and value > 0 else block_size
-    if ktc.kv_connector in _LMCACHE_NAMES:
-        value = extra.get("chunk_tokens", extra.get("lmcache.chunk_size"))
-        if isinstance(value, int) and value > 0:
-            return value
-        algo = extra.get("hash_algo", extra.get("lmcache.pre_caching_hash_algorithm", "blake3"))
-        return block_size if algo == "blake3" else 256
-    return block_size
+    return resolve_connector(ktc).hit_unit_tokens(ktc, block_size)
 
 
 def hit_source(arm: Arm, rebuilt: bool) -> str | None:
@@ -157,11 +148,7 @@ def hit_source(arm: Arm, rebuilt: bool) -> str | None:
         return arm.reuse
     ktc = arm.parsed_config()
     assert ktc is not None
-    if ktc.kv_connector == "OffloadingConnector":
-        return "disk" if ktc.extra("root_dir") and rebuilt else "cpu"
-    if ktc.kv_connector in _LMCACHE_NAMES:
-        return "lmcache"
-    return ktc.kv_connector
+    return resolve_connector(ktc).hit_source(ktc, rebuilt)
 
 
 @contextlib.contextmanager

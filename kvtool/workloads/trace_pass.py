@@ -134,6 +134,4 @@ def free_device_memory() -> None:
 
 def flush_connector(engine: LLMEngine) -> None:
     """Wait until the engine's background KV stores have landed (disk writes, remote PUTs)."""
-    flush = getattr(engine.worker_connector, "flush", None)
-    if flush is not None:
-        flush()
+    engine.flush_connector()

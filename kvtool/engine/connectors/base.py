@@ -216,6 +216,9 @@ class WorkerHalf(abc.ABC):
             stats, self.stats = self.stats, TransferStats()
         return stats
 
+    def flush(self) -> None:
+        """Wait until every store queued so far has landed in the store (disk writes, remote PUTs)."""
+
     def shutdown(self) -> None:
         """Finish pending stores and release resources; called once when the engine closes."""
 
@@ -241,6 +244,23 @@ class KVConnector:
     def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf | None]:
         """Both halves, each built on its own: they share nothing but the config and the store."""
         return cls.create_scheduler_half(ctx), cls.create_worker_half(ctx)
+
+    # ---- what the connector says of itself (callers never re-derive its defaults or aliases) ----
+
+    @classmethod
+    def hit_unit_tokens(cls, config: KVTransferConfig, block_size: int) -> int:
+        """The granularity at which it serves a prefix (engine blocks, offload blocks, chunks)."""
+        return block_size
+
+    @classmethod
+    def outlives_engine(cls, config: KVTransferConfig) -> bool:
+        """Whether the KV it holds survives the engine (a disk tier, a remote store)."""
+        return True
+
+    @classmethod
+    def hit_source(cls, config: KVTransferConfig, rebuilt: bool) -> str:
+        """Where its hits come from, for reports (after an engine rebuild when `rebuilt`)."""
+        return config.kv_connector or cls.__name__
 
     @classmethod
     def worker_refusal(cls, device_type: str) -> str | None:

@@ -397,6 +397,15 @@ class LMCacheConnector(KVConnector):
     scheduler_half = LMCacheScheduler
     worker_half = LMCacheWorker
 
+    @classmethod
+    def hit_unit_tokens(cls, config, block_size: int) -> int:
+        settings, _ = parse_settings(dict(config.kv_connector_extra_config), "model", "float32", block_size)
+        return settings.chunk_tokens
+
+    @classmethod
+    def hit_source(cls, config, rebuilt: bool) -> str:
+        return "lmcache"
+
     @staticmethod
     def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:
         identity = ctx.identity

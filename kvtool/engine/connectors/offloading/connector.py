@@ -124,6 +124,18 @@ class OffloadingConnector(KVConnector):
         return settings, blocks_per_slot, plan_num_slots(geometry, blocks_per_slot, cpu_bytes, settings.num_cpu_blocks)
 
     @classmethod
+    def hit_unit_tokens(cls, config, block_size: int) -> int:
+        return parse_settings(dict(config.kv_connector_extra_config), block_size).offload_block_tokens
+
+    @classmethod
+    def outlives_engine(cls, config) -> bool:
+        return bool(parse_settings(dict(config.kv_connector_extra_config), 1).root_dir)
+
+    @classmethod
+    def hit_source(cls, config, rebuilt: bool) -> str:
+        return "disk" if rebuilt and cls.outlives_engine(config) else "cpu"
+
+    @classmethod
     def create_scheduler_half(cls, ctx: ConnectorContext) -> OffloadingScheduler:
         settings, _, num_slots = cls._plan(ctx)
         index = None
