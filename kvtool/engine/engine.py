@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,11 +10,14 @@ import torch
 
 from kvtool import __version__
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, SchedulerHalf, WorkerHalf
+
+__all__ = ["LLMEngine", "identity_for_model", "resolve_device", "resolve_dtype"]
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
-from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+from kvtool.engine.default_model import resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.hashing import make_none_hash, resolve_none_hash_seed
-from kvtool.engine.kv_pages import DTYPE_NAMES, DTYPES, KVGeometry, KVPages
+from kvtool.engine.hashing import make_none_hash
+from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
+from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
@@ -30,66 +31,6 @@ Progress = Callable[[str, float], None]
 LOOKUP_POLL_S = 0.001
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def _rope_digest(config) -> str:
-    doc = {"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def build_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_type: str, weights_digest: str) -> EngineIdentity:
-    """The identity stored KV is stamped with and checked against."""
-    from kvtool.engine.model_dir import config_digest
-
-    cfg = model_dir.config
-    kv_dtype = DTYPE_NAMES[dtype]
-    return EngineIdentity(
-        model_name=params.model if params.model is not None else DEFAULT_MODEL_NAME,
-        architecture=cfg.architecture,
-        config_digest=config_digest(cfg),
-        weights_digest=weights_digest,
-        rope_digest=_rope_digest(cfg),
-        sliding_window=cfg.sliding_window or 0,
-        weight_quantization="none",
-        kv_dtype=kv_dtype,
-        kv_quantization="none",
-        geometry=KVGeometry(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            block_size=params.block_size,
-            dtype=kv_dtype,
-        ),
-        block_hash_algo="sha256_cbor",
-        none_hash_seed=resolve_none_hash_seed(),
-        engine_id=params.kv_transfer_config.engine_id if params.kv_transfer_config else "",
-        device_type=device_type,
-    )
-
-
-def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:
-    """The identity an engine with these params would have, without loading weights into a model."""
-    from kvtool.engine.model_dir import open_model_dir, weights_digest
-
-    model_dir = open_model_dir(model_path)
-    device = resolve_device(params.device)
-    dtype = resolve_dtype(params.dtype, device)
-    digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(model_dir)
-    return build_identity(params, model_dir, dtype, device.type, digest)
-
-
 class LLMEngine:
     """One model, one KV cache, one scheduler, optionally one connector.
 
@@ -97,7 +38,7 @@ class LLMEngine:
     """
 
     def __init__(self, params: EngineParams, progress: Progress | None = None) -> None:
-        from kvtool.engine.model_dir import open_model_dir, weights_digest
+        from kvtool.engine.model_dir import open_model_dir
         from kvtool.engine.models import build_model
 
         self.params = params
@@ -138,8 +79,7 @@ class LLMEngine:
         worker_half: WorkerHalf | None = None
         self.identity: EngineIdentity | None = None
         if connector_cls is not None:
-            digest = f"dummy-seed-{params.seed}" if params.load_format == "dummy" else weights_digest(self.model_dir)
-            self.identity = build_identity(params, self.model_dir, self.dtype, self.device.type, digest)
+            self.identity = engine_identity(params, self.model_dir, self.dtype, self.device.type)
             ctx = ConnectorContext(config=ktc, identity=self.identity, none_hash=self.none_hash)
             # Each half is built on its own: they share nothing but the config and the store.
             scheduler_half = connector_cls.create_scheduler_half(ctx)

@@ -297,7 +297,6 @@ class EngineLoop:
         self._finish(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        engine = self._engine
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:

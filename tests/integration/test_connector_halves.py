@@ -10,7 +10,6 @@ import builtins
 import contextlib
 import json
 import os
-import pickle
 import socket
 import subprocess
 import sys
