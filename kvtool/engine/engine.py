@@ -17,6 +17,7 @@ from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash, resolve_none_hash_seed
 from kvtool.engine.kv_pages import DTYPE_NAMES, DTYPES, KVGeometry, KVPages
+from kvtool.engine.kv_events import open_kv_event_stream
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
@@ -158,6 +159,10 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._closed = False
+        # KV events (kv_events.py): the block pool records, step() publishes one batch.
+        self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
+        if self.kv_events is not None:
+            self.kv_events.attach(self.scheduler.pool)
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
         p = self.params
@@ -257,6 +262,8 @@ class LLMEngine:
                 out.finish_reason = "stop"
             if req.is_finished and req.finish_time is None:
                 req.finish_time = now
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
         return outputs
 
     def _hit_stop_string(self, req: Request) -> bool:
@@ -329,6 +336,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.pool.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
 
     def check_integrity(self) -> None:
         """Invariants that must hold when the engine is idle (used by tests)."""
@@ -339,6 +348,9 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
+            self.kv_events.close()
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
         if self.scheduler_connector is not None:

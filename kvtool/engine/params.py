@@ -8,6 +8,7 @@ import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.kv_events_config import KVEventsConfig, parse_kv_events_config  # noqa: F401 (re-exported for the commands)
 
 
 class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +35,8 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None
+    # vLLM's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared over zmq); None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
