@@ -176,3 +176,48 @@ def test_cli_refuses_with_one_line(doc, needle, tiny_model_dir, run_kvtool):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], stderr
     assert "Traceback" not in stderr and stdout == ""
+
+
+def test_offload_tier_events_decode_as_vllms(subscriber):
+    """The events an offloading tier records (media CPU and STORAGE), through the same stream."""
+    from kvtool.engine.hashing import extend_block_hashes, make_none_hash
+    from kvtool.engine.kv_event_publisher import ZmqEventPublisher
+    from kvtool.engine.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVEventStream, OffloadEventRecorder
+
+    config = parse_kv_events_config(_events_config(subscriber))
+    stream = KVEventStream(config, BLOCK_SIZE, ZmqEventPublisher(config))
+    recorder = OffloadEventRecorder(as_int=True)
+    stream.recorders.append(recorder)
+    tokens = [(5 * i) % 500 + 3 for i in range(6 * BLOCK_SIZE)]
+    hashes = extend_block_hashes([], tokens, BLOCK_SIZE, make_none_hash())
+    per = 2  # engine blocks per offload block
+    keys = [hashes[(j + 1) * per - 1] + bytes(4) for j in range(3)]
+
+    def store(medium: str, j: int) -> None:
+        recorder.stored(medium, keys[j], hashes[j * per : (j + 1) * per], hashes[j * per - 1] if j else None,
+                        tokens[j * per * BLOCK_SIZE : (j + 1) * per * BLOCK_SIZE], BLOCK_SIZE)
+
+    try:
+        for j in range(3):
+            store(MEDIUM_CPU, j)
+        stream.drain([])
+        store(MEDIUM_STORAGE, 0)
+        store(MEDIUM_STORAGE, 1)
+        recorder.removed(MEDIUM_CPU, keys[0])
+        stream.drain([])
+        recorder.removed(MEDIUM_STORAGE, keys[1])
+        recorder.removed(MEDIUM_STORAGE, keys[2])  # never stored there: no event
+        stream.drain([])
+        publisher = stream.publisher
+        got = subscriber.ask(op="collect", until_seq=publisher.num_batches - 1, replay=publisher.replay_endpoint)
+    finally:
+        stream.close()
+
+    def ext(h: bytes) -> str:
+        return str(int.from_bytes(h, "big") & ((1 << 64) - 1))
+
+    assert publisher.num_batches == 3
+    assert got["errors"] == [] and got["mismatched_reencodes"] == 0
+    assert got["num_hash_checks"] == 2 * 5
+    assert got["counts"] == {"BlockStored": 5, "BlockRemoved": 2}
+    assert got["state"] == {"CPU": sorted(ext(h) for h in hashes[per:]), "STORAGE": sorted(ext(h) for h in hashes[:per])}
