@@ -10,6 +10,8 @@ and requests per replica), and every output must be the one a single replica giv
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -99,3 +101,106 @@ def test_worker_routes_the_router_uses(replicas):
     chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
                  "continue_final_message": False, "separate_reasoning": True, "include_reasoning": True}
     assert httpx.post(f"{a.url}/v1/chat/completions", json=chat_body, timeout=60).status_code == 200
+
+
+class EventForwarder:
+    """A zmq forwarder on loopback between one replica's KV event PUB and the router's SUB.
+
+    vLLM's endpoint rule makes a publisher bind only on a wildcard host (every interface); one
+    that names 127.0.0.1 connects. So the replica connects to this forwarder's XSUB side and the
+    router to its XPUB side, both bound on 127.0.0.1. Every batch that passes is also copied to a
+    capture socket, so the test knows which sequence numbers have been handed to the router.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.frontend = self.ctx.socket(zmq.XSUB)
+        self.frontend.bind("tcp://127.0.0.1:*")
+        self.backend = self.ctx.socket(zmq.XPUB)
+        self.backend.bind("tcp://127.0.0.1:*")
+        self.capture_out = self.ctx.socket(zmq.PAIR)
+        self.capture_out.bind("inproc://capture")
+        self.captured = self.ctx.socket(zmq.PAIR)
+        self.captured.connect("inproc://capture")
+        self.control = self.ctx.socket(zmq.PAIR)
+        self.control.bind("inproc://control")
+        control_in = self.ctx.socket(zmq.PAIR)
+        control_in.connect("inproc://control")
+        self.publisher_side = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.subscriber_side = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.thread = threading.Thread(
+            target=zmq.proxy_steerable, args=(self.frontend, self.backend, self.capture_out, control_in), daemon=True
+        )
+        self._control_in = control_in
+        self.thread.start()
+
+    def wait_for_seq(self, seq: int, timeout_ms: int = 60_000) -> None:
+        """Block until batch `seq` (or a later one) went through to the router."""
+        while True:
+            if not self.captured.poll(timeout_ms):
+                raise AssertionError(f"no KV event batch {seq} reached the forwarder")
+            frames = self.captured.recv_multipart()
+            if len(frames) == 3 and int.from_bytes(frames[1], "big") >= seq:
+                return
+
+    def close(self) -> None:
+        self.control.send(b"TERMINATE")
+        self.thread.join(30)
+        for sock in (self.frontend, self.backend, self.capture_out, self.captured, self.control, self._control_in):
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_kv_aware_routes_on_kvtool_kv_events(tiny_model_dir):
+    """The router's kv_aware policy follows each replica's cache from kvtool's KV events alone.
+
+    Each prefix is sent straight to one replica, past the router: only the replicas' events can
+    tell the router where it is cached. Requests through the router must then land there.
+    """
+    from tests.peer_server import free_port
+
+    forwarders = [EventForwarder(), EventForwarder()]
+    replay_ports = [free_port(), free_port()]
+    servers = []
+    try:
+        for fwd, port in zip(forwarders, replay_ports):
+            events = {"enable_kv_cache_events": True, "endpoint": fwd.publisher_side,
+                      "replay_endpoint": f"tcp://127.0.0.1:{port}"}
+            servers.append(ServerProcess([*_serve_flags(tiny_model_dir), "--kv-events-config", json.dumps(events)]).start())
+        sources = []
+        for server, fwd, port in zip(servers, forwarders, replay_ports):
+            sources += ["--kv-event-source", f"{server.url}={fwd.subscriber_side}",
+                        "--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{port}"]
+        with RouterProcess([s.url for s in servers], policy="kv_aware",
+                           extra=[*sources, "--kv-event-block-size", "16", "--kv-event-model", MODEL]) as router:
+            client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+            # Every replica's first batch (seq 0) reaches the router: the subscriptions are up.
+            for server, fwd in zip(servers, forwarders):
+                _complete(openai.OpenAI(base_url=server.base_url, api_key="unused"), "one block of sixteen bytes!")
+                fwd.wait_for_seq(0)
+            for server, fwd, prefix in zip(servers, forwarders, (PREFIX_A, PREFIX_B)):
+                _complete(openai.OpenAI(base_url=server.base_url, api_key="unused"), prefix + "Question 0:")
+                fwd.wait_for_seq(1)
+            # A request through the router too short for one block: by its end the router has
+            # taken in what the forwarders handed it.
+            _complete(client, "hi")
+            before = [_counts(s) for s in servers]
+            results = [(prefix, _complete(client, prefix + f"Question {i}: what comes next?"))
+                       for i in range(1, ROUNDS + 1) for prefix in (PREFIX_A, PREFIX_B)]
+            after = [_counts(s) for s in servers]
+            decisions = [line for line in router.logs().splitlines() if "KV prefix decision" in line]
+    finally:
+        for server in servers:
+            server.stop()
+        for fwd in forwarders:
+            fwd.close()
+
+    for prefix, (_, cached) in results:
+        assert cached >= 16 * (len(prefix) // 16), (prefix[:20], cached)
+    hits = [sum(c for p, (_, c) in results if p == prefix) for prefix in (PREFIX_A, PREFIX_B)]
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)] == [(ROUNDS, hits[0]), (ROUNDS, hits[1])]
+    assert len(decisions) >= 2 * ROUNDS and all("credited_prefix_tokens=0 " not in d for d in decisions[-2 * ROUNDS:])
