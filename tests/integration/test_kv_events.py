@@ -88,10 +88,20 @@ def _cached_hashes(engine, as_int: bool) -> list[str]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("as_int", [True, False], ids=["int-hashes", "bytes-hashes"])
-def test_events_rebuild_the_engine_cache_exactly(make_engine, subscriber, monkeypatch, as_int):
+OFFLOADING = '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"num_cpu_blocks":64}}'
+
+
+@pytest.mark.parametrize(
+    ("as_int", "transfer"),
+    [(True, None), (False, None), (True, OFFLOADING)],
+    ids=["int-hashes", "bytes-hashes", "int-hashes-with-cpu-offload"],
+)
+def test_events_rebuild_the_engine_cache_exactly(make_engine, subscriber, monkeypatch, as_int, transfer):
+    """With a CPU tier too, blocks loaded from it back into the cache are announced like any other."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if as_int else "0")
-    engine = make_engine(num_gpu_blocks=24, block_size=BLOCK_SIZE,
+    engine = make_engine(num_gpu_blocks=24, block_size=BLOCK_SIZE, kv_transfer_config=parse_kv_transfer_config(transfer),
                          kv_events_config=parse_kv_events_config(_events_config(subscriber)))
     _run_workload(engine)
     publisher = engine.kv_events.publisher
@@ -106,6 +116,8 @@ def test_events_rebuild_the_engine_cache_exactly(make_engine, subscriber, monkey
     assert got["num_hash_checks"] >= counts["BlockStored"]
     expected = _cached_hashes(engine, as_int)
     assert len(expected) > 0
+    if transfer is not None:
+        assert engine.stats().external_tokens_loaded > 0  # blocks came back from the CPU tier
     assert got["state"] == {"GPU": expected}
 
 
