@@ -43,6 +43,9 @@ class ZmqEventPublisher:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self.num_dropped_batches = 0
+        # zmq errors the thread survived (the engine never sees them; tests and stats may).
+        self.num_send_errors = 0
+        self.num_replay_errors = 0
         # Batches handed to publish() so far: the next one gets this sequence number.
         self.num_batches = 0
         self._topic = config.topic.encode("utf-8")
@@ -116,8 +119,11 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
+            try:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+            except zmq.ZMQError:
+                self.num_replay_errors += 1  # one subscriber's failed replay; keep publishing
             try:
                 item = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
@@ -125,8 +131,10 @@ class ZmqEventPublisher:
             if item is None:
                 return
             seq, payload = item
-            seq_bytes = seq.to_bytes(8, "big")
-            self._pub.send_multipart((self._topic, seq_bytes, payload))
+            try:
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            except zmq.ZMQError:
+                self.num_send_errors += 1  # still kept for replay below
             self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:

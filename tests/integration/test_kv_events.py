@@ -233,3 +233,10 @@ def test_offload_tier_events_decode_as_vllms(subscriber):
     assert got["num_hash_checks"] == 2 * 5
     assert got["counts"] == {"BlockStored": 5, "BlockRemoved": 2}
     assert got["state"] == {"CPU": sorted(ext(h) for h in hashes[per:]), "STORAGE": sorted(ext(h) for h in hashes[:per])}
+
+
+@pytest.mark.parametrize("doc", ['{"enable_kv_cache_events": true, "publisher": "null"}', '{"publisher": "zmq"}'])
+def test_null_publisher_or_disabled_events_publish_nothing(make_engine, doc):
+    engine = make_engine(kv_events_config=parse_kv_events_config(doc))
+    assert engine.kv_events is None and engine.scheduler.pool.events is None
+    engine.generate([list(range(3, 60))], SamplingParams(max_tokens=2, temperature=0))
