@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtool.engine.connectors.config import parse_human_int, parse_kv_transfer_config
-from kvtool.engine.params import EngineParams
+from kvtool.engine.params import EngineParams, parse_kv_events_config
 
 ModelOpt = Annotated[
     Optional[str],
@@ -21,11 +21,16 @@ KVTransferConfigOpt = Annotated[
     Optional[str],
     typer.Option("--kv-transfer-config", help="vLLM's KVTransferConfig JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\"}'."),
 ]
+KVEventsConfigOpt = Annotated[
+    Optional[str],
+    typer.Option("--kv-events-config", help="vLLM's KVEventsConfig JSON, e.g. '{\"enable_kv_cache_events\":true,\"endpoint\":\"tcp://*:5557\"}'."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of a table.")]
 
 _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("model", None, ModelOpt),
     ("kv_transfer_config", None, KVTransferConfigOpt),
+    ("kv_events_config", None, KVEventsConfigOpt),
     ("load_format", "auto", Annotated[str, typer.Option("--load-format", help="auto (safetensors) or dummy (random weights from config.json).")]),
     ("device", "auto", Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]),
     ("dtype", "auto", Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")]),
@@ -78,6 +83,7 @@ def build_engine_params(**opts) -> EngineParams:
         kv_transfer_config=parse_kv_transfer_config(opts["kv_transfer_config"]),
         async_scheduling=opts["async_scheduling"],
         enforce_eager=opts["enforce_eager"],
+        kv_events_config=parse_kv_events_config(opts["kv_events_config"]),
     )
 
 

@@ -26,6 +26,9 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
+        # KV events hook (kvtool/engine/kv_events.py): when a list, the pool appends
+        # ("stored", block_hashes, i) / ("removed", hash) / ("cleared",) as the hash map changes.
+        self.events: list[tuple] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +90,8 @@ class BlockPool:
                 continue
             self.block_hash[b] = h
             self.cached[h] = b
+            if self.events is not None:
+                self.events.append(("stored", block_hashes, i))
 
     def evict(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the hash map (their content is not to be trusted)."""
@@ -94,14 +99,20 @@ class BlockPool:
             self._uncache(b)
 
     def reset_prefix_cache(self) -> None:
+        events, self.events = self.events, None  # one "cleared" record, not one per block
         for b in range(self.num_blocks):
             self._uncache(b)
+        self.events = events
+        if events is not None:
+            events.append(("cleared",))
 
     def _uncache(self, b: int) -> None:
         h = self.block_hash[b]
         if h is not None:
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.append(("removed", h))
             self.block_hash[b] = None
 
     def check_integrity(self) -> None:

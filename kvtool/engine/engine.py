@@ -18,6 +18,7 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash
 from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
+from kvtool.engine.kv_events import open_kv_event_stream
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
@@ -115,6 +116,10 @@ class LLMEngine:
         # Seeds for requests that bring none: reproducible from --seed, independent of batching.
         self._seeds = torch.Generator().manual_seed(params.seed)
         self._closed = False
+        # KV events (kv_events.py): the block pool records, step() publishes one batch.
+        self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
+        if self.kv_events is not None:
+            self.kv_events.attach(self.scheduler.pool)
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
         p = self.params
@@ -243,6 +248,8 @@ class LLMEngine:
                 out.kv_transfer_params = req.kv_transfer_params or None
             if req.is_finished and req.finish_time is None:
                 req.finish_time = now
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
         return outputs
 
     def is_finished(self, request_id: str) -> bool:
@@ -331,6 +338,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.pool.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
 
     def check_integrity(self) -> None:
         """Invariants that must hold when the engine is idle (used by tests)."""
@@ -346,6 +355,12 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self._in_flight is not None:  # let the device finish the step it runs
+            self._in_flight[1].result()
+            self._in_flight = None
+        if self.kv_events is not None:
+            self.kv_events.drain(self._requests.values())
+            self.kv_events.close()
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
         if self.scheduler_connector is not None:

@@ -8,6 +8,7 @@ import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.kv_events_config import KVEventsConfig, parse_kv_events_config  # noqa: F401 (re-exported for the commands)
 
 
 class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -40,6 +41,8 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enforce_eager: bool = False
     # "auto": picked from data (device, dtype, head_dim, Triton); "reference": the torch SDPA path.
     attention_backend: Literal["auto", "reference"] = "auto"
+    # vLLM's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared over zmq); None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

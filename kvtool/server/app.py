@@ -46,6 +46,7 @@ from kvtool.server.engine_loop import (
     Tokens,
 )
 from kvtool.server.metrics import ServerMetrics
+from kvtool.server.router_endpoints import add_router_routes
 from kvtool.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -146,6 +147,7 @@ def create_app(
     app = FastAPI(title="kvtool", version=__version__, lifespan=lifespan)
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
+    add_router_routes(app, engine.tokenizer, settings.served_model_names, lambda: engine_loop.max_model_len)
     if settings.api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=settings.api_key)
     _add_error_handlers(app)
