@@ -11,14 +11,14 @@ import torch
 from kvtool import __version__
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, SchedulerHalf, WorkerHalf
 
-__all__ = ["LLMEngine", "identity_for_model", "resolve_device", "resolve_dtype"]
+__all__ = ["DEFAULT_MODEL_NAME", "LLMEngine", "identity_for_model", "resolve_device", "resolve_dtype", "resolve_model_path"]
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
-from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash
 from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
-from kvtool.engine.kv_events import open_kv_event_stream
+from kvtool.engine.kv_event_publisher import open_kv_event_stream
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.kv_events import EventBatch
+from kvtool.engine.kv_events import EventBatch, KVEventStream
 from kvtool.engine.kv_events_config import KVEventsConfig
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -147,3 +147,13 @@ class ZmqEventPublisher:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def open_kv_event_stream(config: KVEventsConfig | None, block_size: int) -> KVEventStream | None:
+    """The engine's event stream for `config`, its publisher bound; None when nothing is published.
+
+    Raises ConfigError (one line) when an endpoint cannot be bound or connected.
+    """
+    if config is None or not config.publishes:
+        return None
+    return KVEventStream(config, block_size, ZmqEventPublisher(config))

@@ -243,15 +243,3 @@ class KVEventStream:
 
     def close(self) -> None:
         self.publisher.shutdown()
-
-
-def open_kv_event_stream(config: KVEventsConfig | None, block_size: int) -> KVEventStream | None:
-    """The engine's event stream for `config`, its publisher bound; None when nothing is published.
-
-    Raises ConfigError (one line) when an endpoint cannot be bound or connected.
-    """
-    if config is None or not config.publishes:
-        return None
-    from kvtool.engine.kv_event_publisher import ZmqEventPublisher
-
-    return KVEventStream(config, block_size, ZmqEventPublisher(config))

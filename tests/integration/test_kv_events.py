@@ -11,7 +11,6 @@ buffer of the last `buffer_steps` batches.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
