@@ -120,6 +120,9 @@ class LLMEngine:
         self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
         if self.kv_events is not None:
             self.kv_events.attach(self.scheduler.pool)
+            recorder = scheduler_half.kv_event_recorder() if scheduler_half is not None else None
+            if recorder is not None:
+                self.kv_events.recorders.append(recorder)
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
         p = self.params

@@ -119,14 +119,17 @@ class OffloadEventRecorder:
         parent_block_hash: bytes | None,
         token_ids: Sequence[int],
         block_size: int,
+        extra_keys: list | None = None,
     ) -> None:
-        """Offload block `key` (engine blocks `block_hashes`, tokens `token_ids`) is now in `medium`."""
+        """Offload block `key` (engine blocks `block_hashes`, tokens `token_ids`) is now in `medium`.
+
+        `extra_keys`: one entry per engine block (event_extra_keys), for salted requests."""
         if (medium, key) in self._hashes:
             return
         hashes = [external_block_hash(h, self.as_int) for h in block_hashes]
         self._hashes[(medium, key)] = hashes
         parent = external_block_hash(parent_block_hash, self.as_int) if parent_block_hash is not None else None
-        self._events.append(offload_block_stored(medium, hashes, parent, list(token_ids), block_size))
+        self._events.append(offload_block_stored(medium, hashes, parent, list(token_ids), block_size, extra_keys))
 
     def removed(self, medium: str, key: bytes) -> None:
         """Offload block `key` left `medium` (evicted, dropped after a failed check, deleted)."""
@@ -141,12 +144,14 @@ class OffloadEventRecorder:
 
 def offload_block_stored(
     medium: str, block_hashes: list[ExternalBlockHash], parent: ExternalBlockHash | None, token_ids: list[int],
-    block_size: int,
+    block_size: int, extra_keys: list | None = None,
 ) -> BlockStored:
     """A tier's BlockStored, shaped as vLLM's offloading connector sends it (group 0, no LoRA)."""
+    if extra_keys is not None and not any(k is not None for k in extra_keys):
+        extra_keys = None
     return BlockStored(
         block_hashes=block_hashes, parent_block_hash=parent, token_ids=token_ids, block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None, group_idx=0,
+        lora_id=None, medium=medium, lora_name=None, extra_keys=extra_keys, group_idx=0,
     )
 
 

@@ -117,6 +117,8 @@ def test_events_rebuild_the_engine_cache_exactly(make_engine, subscriber, monkey
     assert len(expected) > 0
     if transfer is not None:
         assert engine.stats().external_tokens_loaded > 0  # blocks came back from the CPU tier
+        held = sorted(str(int.from_bytes(k[:-4], "big") & ((1 << 64) - 1)) for k in engine.scheduler_connector.slots.keys())
+        assert got["state"].pop("CPU") == held  # the CPU tier announces what it holds too
     assert got["state"] == {"GPU": expected}
 
 
@@ -239,3 +241,32 @@ def test_null_publisher_or_disabled_events_publish_nothing(make_engine, doc):
     engine = make_engine(kv_events_config=parse_kv_events_config(doc))
     assert engine.kv_events is None and engine.scheduler.pool.events is None
     engine.generate([list(range(3, 60))], SamplingParams(max_tokens=2, temperature=0))
+
+
+def test_offloading_tiers_announce_what_they_hold(make_engine, subscriber, tmp_path):
+    """CPU and STORAGE events from the OffloadingConnector's scheduler half: replayed, they give
+    exactly the blocks its CPU slot index and its disk index hold (evictions included)."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+
+    config = parse_kv_transfer_config(json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_cpu_blocks": 6, "root_dir": str(tmp_path / "tier")}}))
+    engine = make_engine(num_gpu_blocks=24, block_size=BLOCK_SIZE, kv_transfer_config=config,
+                         kv_events_config=parse_kv_events_config(_events_config(subscriber)))
+    _run_workload(engine)
+    engine.flush_connector()
+    engine.generate([[7]], SamplingParams(max_tokens=1, temperature=0))  # reports the last completions
+    publisher = engine.kv_events.publisher
+    got = subscriber.ask(op="collect", until_seq=publisher.num_batches - 1, replay=publisher.replay_endpoint)
+
+    def ext(h: bytes) -> str:
+        return str(int.from_bytes(h, "big") & ((1 << 64) - 1))
+
+    half = engine.scheduler_connector
+    cpu = sorted(ext(key[:-4]) for key in half.slots.keys())
+    disk = sorted(ext(h) for h in half.disk._present)
+    assert got["errors"] == [] and got["mismatched_reencodes"] == 0
+    assert got["counts"]["BlockRemoved"] > 0  # six CPU slots for more blocks: evictions
+    assert len(cpu) == 6 and len(disk) > 6
+    assert got["state"]["CPU"] == cpu and got["state"]["STORAGE"] == disk
+    assert got["state"]["GPU"] == _cached_hashes(engine, True)

@@ -136,6 +136,11 @@ class SchedulerHalf(abc.ABC):
         """
         return False, None
 
+    def kv_event_recorder(self):
+        """Start recording vLLM KV events for the tiers this half indexes, and return the recorder
+        (a `kv_events.OffloadEventRecorder`) the engine drains each step; None: no tiers of its own."""
+        return None
+
     def shutdown(self) -> None:
         """Release resources; called once when the engine closes."""
 

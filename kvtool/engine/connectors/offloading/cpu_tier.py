@@ -37,6 +37,8 @@ class SlotIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins = [0] * num_slots
         self._dropped: set[int] = set()  # forgotten while pinned: freed at the last unpin
+        # Keys evicted to make room, until the owner takes them (take_evicted).
+        self._evicted: list[bytes] = []
 
     def lookup(self, key: bytes) -> int | None:
         """The slot holding `key`, or None. No side effects."""
@@ -63,6 +65,7 @@ class SlotIndex:
             if victim is None:
                 return None
             slot = self._index.pop(victim)
+            self._evicted.append(victim)
         self._index[key] = slot
         self._pins[slot] += 1
         return slot
@@ -86,6 +89,14 @@ class SlotIndex:
                 self._dropped.add(slot)
             else:
                 self._free.append(slot)
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys evicted by `allocate` since the last call."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def keys(self) -> list[bytes]:
+        return list(self._index)
 
     @property
     def num_pinned(self) -> int:

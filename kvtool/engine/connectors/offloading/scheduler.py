@@ -17,6 +17,7 @@ from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
 from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
+from kvtool.engine.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.messages import KVConnectorOutput
 
 
@@ -51,6 +52,24 @@ class OffloadingScheduler(SchedulerHalf):
         self.num_writing: dict[bytes, int] = {}
         # Keys whose bytes were refused in this process: not matched again until re-stored.
         self.refused: set[bytes] = set()
+        # vLLM KV events of the tiers (kv_event_recorder()): what each job announces once it is done.
+        self.events: OffloadEventRecorder | None = None
+        self.job_events: dict[int, tuple] = {}
+        self.disk_events: dict[bytes, tuple] = {}
+
+    def kv_event_recorder(self) -> OffloadEventRecorder:
+        if self.events is None:
+            self.events = OffloadEventRecorder()
+        return self.events
+
+    def _event_args(self, request, j: int) -> tuple:
+        """(key, block hashes, parent hash, tokens) of offload block j, as its BlockStored carries them."""
+        k = self.blocks_per_offload
+        hashes = request.block_hashes[j * k : (j + 1) * k]
+        parent = request.block_hashes[j * k - 1] if j else None
+        tokens = request.token_ids_slice(j * self.obt, (j + 1) * self.obt)
+        return self._key(request, j), list(hashes), parent, tokens, [
+            event_extra_keys(i, request.cache_salt) for i in range(j * k, (j + 1) * k)]
 
     def _key(self, request, j: int) -> bytes:
         return request.block_hashes[(j + 1) * self.blocks_per_offload - 1] + self.group_suffix
@@ -97,8 +116,11 @@ class OffloadingScheduler(SchedulerHalf):
             else:
                 slot = self.slots.allocate(key)  # promotion target; None when every slot is busy
                 from_disk = True
+            job_id = self._job(slot)
+            if self.events is not None and from_disk and slot is not None:
+                self.job_events[job_id] = self._event_args(request, j)  # a promotion into the CPU tier
             self.pending_loads.append(
-                LoadJob(job_id=self._job(slot), request_id=request.request_id, key=key, index=j,
+                LoadJob(job_id=job_id, request_id=request.request_id, key=key, index=j,
                         block_ids=list(block_ids[lo:hi]), first=lo - j * k, slot=slot, from_disk=from_disk)
             )
 
@@ -135,19 +157,26 @@ class OffloadingScheduler(SchedulerHalf):
                 self.slots.touch(key)
                 if has_disk and not on_disk:
                     self.slots.pin(slot)
-                    jobs.append(self._store(req, key, blocks, slot, copy=False))
+                    jobs.append(self._store(req, j, blocks, slot, copy=False))
             elif not on_disk:
                 slot = self.slots.allocate(key)
                 if slot is not None:
                     self.refused.discard(key)
-                    jobs.append(self._store(req, key, blocks, slot, copy=True))
+                    jobs.append(self._store(req, j, blocks, slot, copy=True))
             j += 1
         self.next_store[req.request_id] = j
         return jobs
 
-    def _store(self, req, key: bytes, blocks: list[int], slot: int, copy: bool) -> StoreJob:
+    def _store(self, req, j: int, blocks: list[int], slot: int, copy: bool) -> StoreJob:
+        key = self._key(req, j)
         job_id = self._job(slot)
         write = self.disk is not None
+        if self.events is not None:
+            args = self._event_args(req, j)
+            if copy:
+                self.job_events[job_id] = args
+            if write:
+                self.disk_events[block_hash_of(key)] = args
         if write:
             bh = block_hash_of(key)
             self.writing[job_id] = bh
@@ -161,8 +190,18 @@ class OffloadingScheduler(SchedulerHalf):
             if self.disk is not None:
                 for bh in done.written:
                     self.disk.add(bh)
+                    if self.events is not None and bh in self.disk_events:
+                        self._announce(MEDIUM_STORAGE, self.disk_events.pop(bh))
                 for bh in done.evicted:
                     self.disk.discard(bh)
+                    if self.events is not None:
+                        self.events.removed(MEDIUM_STORAGE, bh + self.group_suffix)
+            if self.events is not None:
+                failed_keys = {j.key for j in self.inflight_loads if not output.invalid_block_ids.isdisjoint(j.block_ids)}
+                for job_id in done.finished_job_ids:
+                    args = self.job_events.pop(job_id, None)
+                    if args is not None and args[0] not in failed_keys and self.slots.lookup(args[0]) is not None:
+                        self._announce(MEDIUM_CPU, args)
             for job_id in done.finished_job_ids:
                 bh = self.writing.pop(job_id, None)
                 if bh is not None:
@@ -172,23 +211,36 @@ class OffloadingScheduler(SchedulerHalf):
                 slot = self.job_slots.pop(job_id, None)
                 if slot is not None:
                     self.slots.unpin(slot)
+        evicted = self.slots.take_evicted()
+        if self.events is not None:
+            for key in evicted:
+                self.events.removed(MEDIUM_CPU, key)
         if output.invalid_block_ids:
             failed: dict[str, int] = {}
             for job in self.inflight_loads:
                 if not output.invalid_block_ids.isdisjoint(job.block_ids):
-                    self.slots.drop(job.key)
+                    self._drop(job.key)
                     self.refused.add(job.key)
                     failed[job.request_id] = min(failed.get(job.request_id, job.index), job.index)
             # The worker skipped these requests' stores (computed over KV that failed to load):
             # forget their slots, and store again from the first bad block after a recompute.
             for job in self.inflight_stores:
                 if job.request_id in failed and job.copy_from_pages:
-                    self.slots.drop(job.key)
+                    self._drop(job.key)
             for rid, j in failed.items():
                 if rid in self.next_store:
                     self.next_store[rid] = min(self.next_store[rid], j)
         self.inflight_loads = []
         self.inflight_stores = []
+
+    def _announce(self, medium: str, args: tuple) -> None:
+        key, hashes, parent, tokens, extra_keys = args
+        self.events.stored(medium, key, hashes, parent, tokens, self.block_size, extra_keys)
+
+    def _drop(self, key: bytes) -> None:
+        self.slots.drop(key)
+        if self.events is not None:
+            self.events.removed(MEDIUM_CPU, key)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
