@@ -3,7 +3,8 @@
 The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runner calls
 `apply_fused_ops(model)`, which, module by module:
 
-* RMSNorm: one Triton kernel instead of seven eager ops;
+* RMSNorm: one Triton kernel instead of seven eager ops, and the residual add before each norm
+  in the same kernel (the decoder loop is replaced by one that carries the residual);
 * attention (Llama and Qwen3): q/k/v projections as one GEMM over a concatenated weight (the
   three parameters become views of it), then one kernel that splits q/k/v, applies Qwen3's
   per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels);
@@ -28,7 +29,7 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.attention import attend
-from kvtool.engine.models.layers import GatedMLP, RMSNorm
+from kvtool.engine.models.layers import DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.row_invariant_gemm import linear
 
@@ -44,6 +45,23 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, n, eps, BLOCK: tl.
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + o, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + o, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    """h = x + d (rounded to the activation dtype, as the eager residual add), y = RMSNorm(h) * w."""
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    mask = o < n
+    x = tl.load(x_ptr + row * n + o, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * n + o, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + row * n + o, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    normed = (hf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + o, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + o, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -125,6 +143,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one pass: (x + delta, RMSNorm(x + delta)), [T, N] each."""
+    x, delta = x.contiguous(), delta.contiguous()
+    t, n = x.shape
+    h = torch.empty_like(x)
+    y = torch.empty_like(x)
+    if t:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(t,)](x, delta, weight, h, y, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return h, y
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I] (gate first; rows may be strided). Returns [T, I]."""
     t, two_i = gate_up.shape
@@ -187,6 +217,22 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
     return linear(attend(self.layer_idx, q, k, v, self.scale), o.weight, o.bias)
 
 
+def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The decoder loop with each residual add fused into the RMSNorm that follows it (the
+    layers' own norms and the final one): two kernels fewer per layer, the same rounding."""
+    h = self.embed_tokens(input_ids)
+    cos, sin = self.rotary_emb(positions, h.dtype)
+    layers = self.layers
+    first = layers[0].input_layernorm
+    x = rms_norm(h, first.weight, first.eps)
+    for i, layer in enumerate(layers):
+        post = layer.post_attention_layernorm
+        h, x = add_rms_norm(h, layer.self_attn(x, cos, sin), post.weight, post.eps)
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+        h, x = add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
+    return x
+
+
 def _concat_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
     """Concatenate the linears' weights (or biases) along the output dim and re-point each
     linear's parameter at its slice, so no memory is duplicated. Returns the concatenation."""
@@ -212,7 +258,9 @@ def apply_fused_ops(model: nn.Module) -> int:
     """Route the model's norms, attention blocks and MLPs to the fused kernels. Returns how many modules."""
     n = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
+            module.forward = types.MethodType(_fused_decoder_forward, module)
+        elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rms_forward, module)
         elif isinstance(module, GatedMLP):
             module.gate_up_weight = _concat_params([module.gate_proj, module.up_proj], "weight")

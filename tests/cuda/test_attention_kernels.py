@@ -292,3 +292,17 @@ def test_choose_num_splits_covers_the_gpu():
     assert choose_num_splits(256, 8, 40960, 132) == 1
     assert choose_num_splits(1, 8, 100, 132) == 1
     assert choose_num_splits(1, 8, 40960, 132) == math.ceil(264 / 8)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 1024), (7, 4096), (300, 896)])
+def test_add_rms_norm_equals_the_add_then_the_norm(rows, n):
+    """The fused residual add + RMSNorm keeps the eager rounding: the add in the activation dtype,
+    then the same norm kernel's result, bit for bit."""
+    from kvtool.engine.fused_ops import add_rms_norm, rms_norm
+
+    g = torch.Generator(device=DEV).manual_seed(rows * n)
+    x, d = (torch.randn((rows, n), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(n, generator=g, device=DEV).to(torch.bfloat16)
+    h, y = add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(h, x + d)
+    assert torch.equal(y, rms_norm(x + d, w, 1e-6))
