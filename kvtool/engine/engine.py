@@ -18,7 +18,6 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash
 from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
-from kvtool.engine.kv_event_publisher import open_kv_event_stream
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
@@ -117,7 +116,12 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(params.seed)
         self._closed = False
         # KV events (kv_events.py): the block pool records, step() publishes one batch.
-        self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
+        self.kv_events = None
+        if params.kv_events_config is not None:
+            # pyzmq is loaded only by an engine that publishes.
+            from kvtool.engine.kv_event_publisher import open_kv_event_stream
+
+            self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
         if self.kv_events is not None:
             self.kv_events.attach(self.scheduler.pool)
             recorder = scheduler_half.kv_event_recorder() if scheduler_half is not None else None
