@@ -157,6 +157,7 @@ class LLMEngine:
         self.scheduler_connector = scheduler_half
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(params.seed)
         self._closed = False
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
@@ -220,14 +221,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InputError(f"request id {rid!r} is already in use")
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        largest = sampling.largest_token_id()
+        if largest >= vocab:
+            raise InputError(f"token id {largest} in the sampling parameters is out of range for a vocabulary of {vocab}")
+        # An unseeded request gets a seed from the engine's own generator (seeded by --seed), so a
+        # run is reproducible and each request's draws depend only on its seed.
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         req = Request(
             rid,
             [int(t) for t in prompt_token_ids],
             sampling,
             max_tokens=max_tokens,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
-            generator=generator,
+            seed=seed,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )

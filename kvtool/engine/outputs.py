@@ -24,8 +24,13 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # True when this step reaches the end of the known tokens
     sampling: SamplingParams
-    generator: torch.Generator | None
     num_output_tokens: int  # output tokens so far (for logprob bookkeeping)
+    # ---- sampling inputs (see sampler.SampleRow) ----
+    seed: int = 0  # the request's sampling seed (its own or the engine's pick)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+    allowed_token_bitmask: torch.Tensor | None = None  # structured outputs, set by the engine
 
     @property
     def num_tokens(self) -> int:

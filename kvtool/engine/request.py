@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from kvtool.engine.params import SamplingParams
 
 
@@ -38,7 +36,7 @@ class Request:
         *,
         max_tokens: int,
         eos_token_ids: frozenset[int],
-        generator: torch.Generator | None,
+        seed: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
     ) -> None:
@@ -48,7 +46,7 @@ class Request:
         self.sampling = sampling
         self.max_tokens = max_tokens  # sampling.max_tokens capped by the model length
         self.eos_token_ids = eos_token_ids
-        self.generator = generator
+        self.seed = seed  # the sampling seed: the request's own, or one the engine picked
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params or {}
         self.status = RequestStatus.WAITING

@@ -8,8 +8,8 @@ Two ways to run the forward, picked once from data (`attention.select_backend`):
   decode sequences replays a captured CUDA graph when the connector has no per-layer work;
   anything else runs eagerly through the same kernels.
 
-Greedy steps without logprobs take the argmax on the device; other sampling goes through
-`sample_tokens` (CPU, reproducible across devices).
+Sampling (`sampler.sample`) runs on the logits' device; a seeded draw is reproducible whatever
+the batch and the device.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvtool.engine.attention import (
 from kvtool.engine.connectors.base import KVConnectorOutput, WorkerHalf
 from kvtool.engine.kv_pages import KVPages
 from kvtool.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from kvtool.engine.sampler import sample_tokens
+from kvtool.engine.sampler import SampleRow, sample
 
 MAX_GRAPH_BATCH = 512
 
@@ -73,7 +73,6 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_pages.geometry.block_size
         self.connector = connector
-        self.generator = torch.Generator().manual_seed(seed)
         self.hooks = _ConnectorLayerHooks(connector) if connector is not None else None
         if connector is not None:
             connector.register_kv_caches(kv_pages)
@@ -236,10 +235,9 @@ class ModelRunner:
         self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None
     ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
         """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
-        if all(s.sampling.is_greedy and s.sampling.logprobs is None for s in seqs):
-            tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-            return {s.request_id: t for s, t in zip(seqs, tokens)}, {}
-        tokens, lps = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.generator)
+        rows = [SampleRow(s.sampling, s.seed, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids,
+                          s.allowed_token_bitmask) for s in seqs]
+        tokens, lps = sample(logits, rows, greedy)
         sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
         logprobs = {s.request_id: lp for s, lp in zip(seqs, lps) if lp is not None}
         return sampled, logprobs

@@ -182,8 +182,11 @@ class Scheduler:
             block_ids=req.block_ids,
             sample=start + num_new == req.num_tokens,
             sampling=req.sampling,
-            generator=req.generator,
             num_output_tokens=len(req.output_token_ids),
+            seed=req.seed,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            eos_token_ids=frozenset() if req.sampling.ignore_eos else req.eos_token_ids,
         )
 
     def _blocks_for(self, num_tokens: int) -> int:

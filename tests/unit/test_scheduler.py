@@ -22,7 +22,7 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=Tr
 
 def make_request(rid, tokens, max_tokens=4, eos=frozenset({999})):
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                   max_tokens=max_tokens, eos_token_ids=eos, generator=None)
+                   max_tokens=max_tokens, eos_token_ids=eos)
 
 
 def run_step(sched, token=7):
@@ -107,7 +107,7 @@ def test_eos_and_stop_token_ids():
     run_step(sched, token=999)
     assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [999]
     r2 = Request("b", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[5]), max_tokens=10,
-                 eos_token_ids=frozenset(), generator=None)
+                 eos_token_ids=frozenset())
     sched.add_request(r2)
     run_step(sched, token=5)
     assert r2.status == RequestStatus.FINISHED_STOPPED and r2.stop_reason == 5
@@ -116,7 +116,7 @@ def test_eos_and_stop_token_ids():
 def test_ignore_eos():
     sched = make_scheduler()
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), max_tokens=3,
-                eos_token_ids=frozenset({7}), generator=None)
+                eos_token_ids=frozenset({7}))
     sched.add_request(r)
     run_to_end(sched, token=7)
     assert r.output_token_ids == [7, 7, 7] and r.status == RequestStatus.FINISHED_LENGTH
