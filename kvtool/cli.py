@@ -2,6 +2,7 @@
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
@@ -14,7 +15,26 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Plain click help wraps text and never cuts an option name at 80 columns (rich panels do).
+    rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvtool import __version__
+
+        print(f"kvtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """An LLM inference engine and toolkit for KV offload and external KV caches."""
 model_app = typer.Typer(help="Create model directories.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 

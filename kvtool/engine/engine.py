@@ -22,6 +22,7 @@ from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
 from kvtool.engine.runner import ModelRunner
 from kvtool.engine.scheduler import Scheduler
+from kvtool.engine.structured_output import StructuredOutputs
 
 
 Progress = Callable[[str, float], None]
@@ -158,6 +159,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(params.seed)
+        self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), cfg.vocab_size, list(cfg.eos_token_ids))
         self._closed = False
 
     def _num_blocks(self, geometry: KVGeometry) -> int:
@@ -237,12 +239,15 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
+        if sampling.structured_outputs is not None:
+            self.structured.add(rid, sampling.structured_outputs)
         self._requests[rid] = req
         self.scheduler.add_request(req)
         return rid
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
+        self.structured.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -250,8 +255,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns what changed for each request that produced a token or ended."""
         so = self.scheduler.schedule()
+        for s in so.scheduled:  # structured outputs: the grammar's allowed ids for this sample
+            if s.sample and s.request_id in self.structured:
+                s.allowed_token_bitmask = self.structured.bitmask(s.request_id)
         ro = self.runner.execute(so)
         outputs = self.scheduler.update_from_output(so, ro)
+        for out in outputs:
+            if out.request_id in self.structured:
+                self.structured.advance(out.request_id, out.new_token_ids)
         now = time.perf_counter()
         for out in outputs:
             req = self._requests[out.request_id]
@@ -285,6 +296,7 @@ class LLMEngine:
     def pop_result(self, request_id: str) -> RequestResult:
         """The result of a finished request (which the engine then forgets)."""
         req = self._requests.pop(request_id)
+        self.structured.remove(request_id)
         return self._result(req)
 
     def request_view(self, request_id: str) -> Request | None:
@@ -310,6 +322,7 @@ class LLMEngine:
                 num_preemptions=req.num_preemptions,
                 ttft_s=ttft,
                 decode_s=decode,
+                queue_s=req.scheduled_time - req.arrival_time if req.scheduled_time else None,
             ),
         )
 

@@ -79,6 +79,7 @@ class RequestStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     ttft_s: float | None
     decode_s: float | None
+    queue_s: float | None = None  # arrival to first admission
 
 
 class RequestResult(msgspec.Struct, kw_only=True):

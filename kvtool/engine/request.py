@@ -64,6 +64,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admission (the end of its queue time)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

@@ -10,6 +10,8 @@ recomputed. The scheduler never touches a tensor, and it is the only reader of
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 
 from kvtool.engine.block_pool import BlockPool
@@ -171,6 +173,8 @@ class Scheduler:
             self.connector.update_state_after_alloc(req, req.block_ids, num_ext)
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = time.perf_counter()
         return self._make_scheduled(req, num_new)
 
     def _make_scheduled(self, req: Request, num_new: int) -> ScheduledRequest:

@@ -14,6 +14,13 @@ Events of one request, in order: Accepted or Rejected; then Tokens (streaming re
 one per step that produced tokens); then Finished. Failed takes the place of Accepted or of
 Finished when the loop cannot run the request: it is shutting down, or the engine raised.
 
+One request's failure never stops the loop. add_request raising InputError (or any KVToolError)
+rejects that request (400); any other exception while adding it fails it alone (500). A step that
+raises fails the requests added since the last good step (a bad request fails at its first
+schedule), or every request in flight when none was, aborting each in the engine so its blocks
+are freed, and the loop goes on. Only a failure of the engine itself (a device error, memory
+exhausted, or steps that keep failing) stops the loop; /health then answers 503.
+
 Shutdown: drain(grace_s) refuses new requests and aborts those still running grace_s seconds
 later (they end with Finished, finish_reason "abort", so streams close properly); shutdown()
 aborts whatever is left, calls engine.close() (which waits for pending KV stores) on the loop
@@ -34,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from kvtool.engine.errors import KVToolError
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
@@ -43,6 +51,21 @@ if TYPE_CHECKING:
     from kvtool.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# Steps failing in a row after which the engine itself is taken as broken.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+def is_engine_failure(e: BaseException) -> bool:
+    """Whether an exception means the engine itself is broken (device lost, memory exhausted),
+    as opposed to one request's fault."""
+    if isinstance(e, (MemoryError, SystemError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    return "CUDA" in text or "cuda" in text or "OutOfMemoryError" in text
 
 
 @dataclass(slots=True)
@@ -172,9 +195,13 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stats = msgspec.structs.replace(engine.stats())
         self._num_in_flight = 0
+        self._queues = (0, 0)  # (running, waiting) as of the end of the last step
         self.error: str | None = None
+        self._fresh: list[str] = []  # loop thread: requests added since the last good step
+        self._step_failures = 0
         # Read-only facts the HTTP side needs (copied, so it never reads the engine).
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
 
     # ---- HTTP side ----------------------------------------------------------------------------
 
@@ -201,6 +228,10 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The engine's totals as of the end of the last step (a copy; safe from any thread)."""
         return self._stats
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests as of the end of the last step (safe from any thread)."""
+        return self._queues
 
     @property
     def num_in_flight(self) -> int:
@@ -237,7 +268,7 @@ class EngineLoop:
         try:
             while self._drain(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
-                    self._dispatch(engine.step())
+                    self._step()
                 if not engine.has_unfinished_requests() and self._tracked:
                     self._finish_stragglers()
                 if self._deadline is not None and self._tracked and time.monotonic() >= self._deadline:
@@ -245,6 +276,8 @@ class EngineLoop:
                     for request_id in list(self._tracked):
                         self._abort(request_id)
                 self._stats = msgspec.structs.replace(engine.stats())
+                sched = engine.scheduler
+                self._queues = (len(sched.running), len(sched.waiting))
         except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("the engine loop failed; refusing new requests")
             self.error = f"the engine failed: {type(e).__name__}: {e}"
@@ -252,6 +285,36 @@ class EngineLoop:
             with self._lock:
                 self._accepting = False
             self._end_all()
+
+    def _step(self) -> None:
+        """One engine step; a failure that belongs to requests ends them, not the loop."""
+        try:
+            outputs = self._engine.step()
+        except Exception as e:  # noqa: BLE001 - classified below
+            self._step_failures += 1
+            if is_engine_failure(e) or self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            suspects = self._fresh or list(self._tracked)
+            logger.warning("a step failed (%s: %s); failing %d request(s)", type(e).__name__, e, len(suspects))
+            self._fresh = []
+            for request_id in suspects:
+                self._fail_request(request_id, f"the request failed: {type(e).__name__}: {e}")
+            return
+        self._step_failures = 0
+        self._fresh = []
+        self._dispatch(outputs)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """End one request with a 500 (Failed) and free what the engine holds for it."""
+        t = self._tracked.pop(request_id, None)
+        self._num_in_flight = len(self._tracked)
+        try:
+            self._engine.abort_request(request_id)
+            self._engine.pop_result(request_id)
+        except Exception:  # noqa: BLE001 - the request is gone either way
+            logger.exception("cleaning up failed request %s", request_id)
+        if t is not None:
+            t.sink.put(Failed(message, is_shutdown=False))
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when `block`. False once a stop arrives."""
@@ -286,6 +349,16 @@ class EngineLoop:
         except KVToolError as e:
             cmd.sink.put(Rejected(e))
             return
+        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the loop
+            if is_engine_failure(e):
+                raise
+            logger.warning("adding request %s failed: %s: %s", job.request_id, type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                self._engine.abort_request(job.request_id)
+                self._engine.pop_result(job.request_id)
+            cmd.sink.put(Failed(f"the request failed: {type(e).__name__}: {e}", is_shutdown=False))
+            return
+        self._fresh.append(job.request_id)
         self._tracked[job.request_id] = _Tracked(job, cmd.sink)
         self._num_in_flight = len(self._tracked)
         cmd.sink.put(Accepted())
