@@ -285,7 +285,7 @@ ERROR_CASES = {
     "token-id-out-of-range": ("/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, API_KEY, 400, None),
     "malformed-json": ("/completions", b'{"model": "tiny", "prompt": ', API_KEY, 400, None),
     "not-an-object": ("/chat/completions", b"[1, 2]", API_KEY, 400, None),
-    "n-2": ("/completions", {"model": MODEL, "prompt": "hi", "n": 2}, API_KEY, 400, "n"),
+    "n-too-many": ("/completions", {"model": MODEL, "prompt": "hi", "n": 65}, API_KEY, 400, "n"),
     "unknown-field": ("/completions", {"model": MODEL, "prompt": "hi", "bogus": 1}, API_KEY, 400, "bogus"),
     "wrong-key": ("/completions", {"model": MODEL, "prompt": "hi"}, "wrong-key", 401, None),
     "missing-key": ("/completions", {"model": MODEL, "prompt": "hi"}, None, 401, None),
