@@ -129,29 +129,70 @@ def test_streamed_n_and_prompt_lists_carry_every_choice(client):
     assert {c.index for ch in chat for c in ch.choices} == {0, 1}
 
 
-def test_penalties_logit_bias_and_bad_words_change_the_output_as_specified(server, client):
-    base = dict(model=MODEL, prompt="aaaa", max_tokens=6, temperature=0)
-    plain = client.completions.create(**base, extra_body={"return_token_ids": True}).choices[0]
-    ids = plain.model_extra["token_ids"]
-    # A huge bias on one token makes every greedy output that token.
-    forced = client.completions.create(**base, logit_bias={"120": 100}, extra_body={"return_token_ids": True})
-    assert forced.choices[0].model_extra["token_ids"] == [120] * 6
-    # Banning the first greedy token (as a bad word) changes the first token.
-    first_text = client.completions.create(**{**base, "max_tokens": 1}).choices[0].text
-    if first_text.strip():
-        banned = client.completions.create(**base, extra_body={"bad_words": [first_text.strip()],
-                                                               "return_token_ids": True})
-        assert banned.choices[0].model_extra["token_ids"][0] != ids[0]
-    # A maximal presence penalty never repeats a token under greedy decoding of 6 tokens... unless the
-    # model has nothing better: compare with the sampler's formula through logprobs instead.
-    pen = client.completions.create(**base, presence_penalty=2.0, frequency_penalty=2.0,
-                                    extra_body={"repetition_penalty": 2.0, "return_token_ids": True})
-    assert pen.choices[0].model_extra["token_ids"] != ids or len(set(ids)) == len(ids)
-    # min_tokens with ignore-able EOS: the output is at least that long.
-    longer = client.completions.create(**{**base, "max_tokens": 8}, extra_body={"min_tokens": 8})
-    assert longer.usage.completion_tokens == 8
-    mp = client.completions.create(**{**base, "temperature": 1.0}, seed=3, extra_body={"min_p": 1.0, "return_token_ids": True})
-    assert mp.choices[0].model_extra["token_ids"] == ids  # min_p 1 keeps only the most likely token
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """The engine itself on the same model and flags: what the server must reproduce."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+
+    with LLMEngine(EngineParams(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN)) as e:
+        yield e
+
+
+def _engine_ids(engine, prompt: str, **fields) -> list[int]:
+    from kvtool.engine.params import SamplingParams
+
+    sp = SamplingParams(**{"max_tokens": 8, "ignore_eos": True, **fields})
+    return engine.generate([engine.encode_prompt(prompt)], sp)[0].output_token_ids
+
+
+PROMPT = "abab abab abab"
+# (request fields, the engine's SamplingParams fields): each changes the greedy output of PROMPT.
+PARAMETER_CASES = {
+    "presence+frequency": ({"presence_penalty": 2.0, "frequency_penalty": 2.0},
+                           {"presence_penalty": 2.0, "frequency_penalty": 2.0}),
+    "repetition": ({"repetition_penalty": 5.0}, {"repetition_penalty": 5.0}),
+    "logit_bias": ({"logit_bias": {"120": 8.0}}, {"logit_bias": {120: 8.0}}),
+    "bad_words": (None, None),  # the greedy token's own text, filled in by the test
+    "min_p+seed": ({"temperature": 1.0, "min_p": 0.2, "seed": 9}, {"temperature": 1.0, "min_p": 0.2, "seed": 9}),
+    "top_k+seed": ({"temperature": 1.0, "top_k": 3, "seed": 9}, {"temperature": 1.0, "top_k": 3, "seed": 9}),
+}
+
+
+@pytest.mark.parametrize("case", list(PARAMETER_CASES))
+def test_sampling_parameters_mean_what_the_engine_computes(client, engine, case):
+    request_fields, engine_fields = PARAMETER_CASES[case]
+    prompt = PROMPT
+    if case == "bad_words":
+        prompt = "1, 2, 3"  # its greedy token is a whole character (" "), which a bad word can name
+        greedy = _engine_ids(engine, prompt, temperature=0.0)[0]
+        word = engine.tokenizer.decode([greedy])
+        from kvtool.server.sampling import bad_words_token_ids
+
+        request_fields = {"bad_words": [word]}
+        engine_fields = {"bad_words_token_ids": bad_words_token_ids(engine.tokenizer, [word])}
+    engine_fields = {"temperature": 0.0, **engine_fields}
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True, **request_fields})
+    got = out.choices[0].model_extra["token_ids"]
+    assert got == _engine_ids(engine, prompt, **engine_fields)
+    assert got != _engine_ids(engine, prompt, temperature=engine_fields["temperature"],
+                              seed=engine_fields.get("seed")), "the parameter changed nothing"
+    if case == "logit_bias":
+        assert got.count(120) > 0
+    if case == "bad_words":
+        assert engine_fields["bad_words_token_ids"][0] == [greedy] and greedy not in got
+
+
+def test_min_tokens_masks_eos_until_reached(client, engine):
+    eos = engine.model_config.eos_token_ids[0]
+    # A bias that makes EOS the greedy pick: without min_tokens the output is one token long.
+    short = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                      logit_bias={str(eos): 100})
+    assert short.usage.completion_tokens == 1 and short.choices[0].finish_reason == "stop"
+    longer = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                       logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
+    assert longer.usage.completion_tokens == 5 and longer.choices[0].finish_reason == "stop"
 
 
 def test_json_schema_output_parses_and_validates(client):
