@@ -159,7 +159,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(params.seed)
-        self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), cfg.vocab_size, list(cfg.eos_token_ids))
+        self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
         self._closed = False
 
     def _num_blocks(self, geometry: KVGeometry) -> int:

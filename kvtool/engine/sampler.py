@@ -99,8 +99,10 @@ def sample(
         return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist(), [None] * len(rows)
 
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
-    x = logits.float().clone()
+    x = logits.float()
     if needs_processing:
+        if x is logits:
+            x = x.clone()  # the processors write in place; the caller's logits stay as they were
         _apply_processors(x, rows)
     tokens = x.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]

@@ -11,6 +11,7 @@ request ends there.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +49,8 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
 class StructuredOutputs:
     """The grammar state of every structured-output request of one engine."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]) -> None:
+        # tokenizer.json's text, asked for only when the first structured request arrives.
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -60,7 +62,7 @@ class StructuredOutputs:
             import llguidance
 
             self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
+                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos or None
             )
         return self._tokenizer
 
@@ -83,11 +85,11 @@ class StructuredOutputs:
 
     def bitmask(self, request_id: str) -> torch.Tensor:
         """The ids allowed next, int32 [ceil(vocab / 32)] on the CPU."""
-        import llguidance.torch as llg_torch
-
-        mask = llg_torch.allocate_token_bitmask(1, self.vocab_size)
-        llg_torch.fill_next_token_bitmask(self._matchers[request_id], mask, 0)
-        return mask[0]
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((words,), -1, dtype=torch.int32)
+        # The matcher writes one bit per token id into the buffer (llguidance's own fill does this).
+        self._matchers[request_id].unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+        return mask
 
     def advance(self, request_id: str, token_ids: list[int]) -> None:
         """Feed sampled tokens (a token the grammar refuses leaves the matcher stopped: EOS only)."""
