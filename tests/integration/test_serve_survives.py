@@ -51,3 +51,22 @@ def test_hostile_request_then_a_normal_one(server, body):
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["choices"][0]["text"]) >= 0
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_an_exception_in_one_request_s_step_fails_it_alone(tiny_model_dir):
+    ktc = {"kv_connector": "ExplodingConnector", "kv_connector_module_path": "tests.connectors.exploding_connector",
+           "kv_role": "kv_both"}
+    with ServerProcess([str(tiny_model_dir), "--max-model-len", "256", "--kv-transfer-config", json.dumps(ktc)]) as s:
+        url = f"{s.url}/v1/completions"
+        for _ in range(2):  # twice: the loop is still whole after the first
+            bad = httpx.post(url, json={"prompt": "boom", "max_tokens": 3, "kv_transfer_params": {"explode": True}},
+                             timeout=120)
+            assert bad.status_code == 500, bad.text
+            err = bad.json()["error"]
+            assert set(err) == ERROR_KEYS and "blew up" in err["message"]
+            ok = httpx.post(url, json={"prompt": "fine", "max_tokens": 3}, timeout=120)
+            assert ok.status_code == 200, ok.text
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+        # The failed requests' blocks went back to the pool.
+        metrics = s.metrics()
+        assert metrics["kvtool:kv_cache_free_blocks"] == metrics["kvtool:kv_cache_blocks"]

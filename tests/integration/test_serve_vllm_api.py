@@ -114,6 +114,9 @@ def test_echo_prepends_the_prompt(client):
     out = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0)
     assert out.choices[0].text == "Echo me" + plain.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
 def test_streamed_n_and_prompt_lists_carry_every_choice(client):
