@@ -41,7 +41,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     call_id = new_call_id("chatcmpl")
     jobs = [
         ctx.job(call_id, prompt_ids, make_sampling(body, max_tokens=max_tokens, logprobs=num_top, defaults=ctx.defaults,
-                                                   tokenizer=tok, seed_offset=j), body, j)
+                                                   tokenizer=tok, seed_offset=j), body, j,
+                share_prefix_with=0 if j else None)
         for j in range(body.n)
     ]
     handles = await start_all(ctx.engine_loop, jobs, request)

@@ -30,10 +30,11 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, request
     jobs, prompt_of, first_of_prompt = [], [], []
     for pi, ids in enumerate(prompt_ids):
         max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", len(ids), ctx.max_model_len, default_max)
+        first = len(jobs)
         for j in range(body.n):
             sampling = make_sampling(body, max_tokens=max_tokens, logprobs=body.logprobs, defaults=ctx.defaults,
                                      tokenizer=ctx.tokenizer, seed_offset=j)
-            jobs.append(ctx.job(call_id, ids, sampling, body, len(jobs)))
+            jobs.append(ctx.job(call_id, ids, sampling, body, len(jobs), share_prefix_with=first if j else None))
             prompt_of.append(pi)
             first_of_prompt.append(j == 0)
     echo = [_echo_text(ctx, prompts[pi], prompt_ids[pi]) if body.echo else "" for pi in prompt_of]

@@ -63,10 +63,14 @@ class ServerContext:
             self._token_strings[token_id] = s
         return s
 
-    def job(self, id_prefix: str, prompt_ids: list[int], sampling, body, index: int) -> GenerationJob:
+    def job(self, id_prefix: str, prompt_ids: list[int], sampling, body, index: int,
+            share_prefix_with: int | None = None) -> GenerationJob:
+        """One engine request of a call; `share_prefix_with` is the index of the call's request
+        whose prompt this one repeats (choice 0 of its prompt)."""
         job = GenerationJob(
             request_id=f"{id_prefix}-{index}", prompt_token_ids=prompt_ids, sampling=sampling,
             cache_salt=body.cache_salt, kv_transfer_params=body.kv_transfer_params, stream=body.stream,
+            share_prefix_with=None if share_prefix_with is None else f"{id_prefix}-{share_prefix_with}",
         )
         if self.settings.log_requests:
             logger.info("request %s: %d prompt tokens, sampling %s", job.request_id, len(prompt_ids), sampling)

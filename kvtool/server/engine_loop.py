@@ -79,6 +79,10 @@ class GenerationJob:
     kv_transfer_params: dict | None = None
     # True: a Tokens event per step; False: only the Finished event.
     stream: bool = False
+    # Another request of the same prompt (choice 0 of n): this one enters the engine once that one
+    # has its first token, so that its prompt blocks are computed once and then shared through
+    # the prefix cache instead of computed by every choice in the same step.
+    share_prefix_with: str | None = None
 
 
 # ---- events (loop thread -> HTTP side) ---------------------------------------------------------
@@ -175,6 +179,7 @@ class _Tracked:
     job: GenerationJob
     sink: EventSink
     num_sent_tokens: int = 0
+    has_output: bool = False
 
 
 class EngineLoop:
@@ -188,6 +193,7 @@ class EngineLoop:
         self.on_finished = on_finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._parked: dict[str, list[_Add]] = {}  # loop thread: leader request id -> jobs waiting for its first token
         self._lock = threading.Lock()  # guards _accepting against add() racing the loop's exit
         self._accepting = False
         self._draining = False
@@ -315,6 +321,7 @@ class EngineLoop:
             logger.exception("cleaning up failed request %s", request_id)
         if t is not None:
             t.sink.put(Failed(message, is_shutdown=False))
+        self._release(request_id)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when `block`. False once a stop arrives."""
@@ -338,6 +345,10 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         job = cmd.job
+        leader = self._tracked.get(job.share_prefix_with) if job.share_prefix_with is not None else None
+        if leader is not None and not leader.has_output:
+            self._parked.setdefault(job.share_prefix_with, []).append(cmd)
+            return
         try:
             self._engine.add_request(
                 job.prompt_token_ids,
@@ -363,7 +374,17 @@ class EngineLoop:
         self._num_in_flight = len(self._tracked)
         cmd.sink.put(Accepted())
 
+    def _release(self, leader_id: str) -> None:
+        """Add the jobs that waited for `leader_id`'s first token (or its end)."""
+        for cmd in self._parked.pop(leader_id, ()):
+            self._add(cmd)
+
     def _abort(self, request_id: str) -> None:
+        for leader_id, cmds in self._parked.items():
+            kept = [c for c in cmds if c.job.request_id != request_id]
+            if len(kept) != len(cmds):
+                self._parked[leader_id] = kept
+                return
         if request_id not in self._tracked:
             return
         self._engine.abort_request(request_id)
@@ -375,6 +396,9 @@ class EngineLoop:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue
+            if not t.has_output and out.new_token_ids:
+                t.has_output = True
+                self._release(out.request_id)
             if out.finished:
                 self._finish(out.request_id)
             elif t.job.stream and out.new_token_ids:
@@ -399,6 +423,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - metrics must not take the loop down
                 logger.exception("on_finished callback failed")
         t.sink.put(Finished(result, stop_reason, kv_params))
+        self._release(request_id)
 
     def _finish_stragglers(self) -> None:
         # The engine is idle but some request never reported its end: end it rather than hang its client.
@@ -430,6 +455,10 @@ class EngineLoop:
             if t is not None:
                 t.sink.put(self._failed())
         self._num_in_flight = 0
+        for cmds in self._parked.values():
+            for cmd in cmds:
+                cmd.sink.put(self._failed())
+        self._parked.clear()
         while True:
             try:
                 cmd = self._commands.get_nowait()

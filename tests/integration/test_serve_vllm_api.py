@@ -63,6 +63,11 @@ def _assert_serving(client):
     assert len(out.choices) == 1
 
 
+def test_requests_are_logged_when_asked(server, client):
+    client.completions.create(model=MODEL, prompt="log me", max_tokens=1)
+    assert "prompt tokens, sampling SamplingParams(" in server.logs()
+
+
 def test_generation_config_dir_supplies_defaults_and_request_fields_override(client):
     # The config says greedy and 5 tokens; two unseeded requests then agree.
     a = client.completions.create(model=MODEL, prompt="Once upon")
@@ -99,6 +104,17 @@ def test_n_with_a_seed_is_reproducible_and_children_differ(client):
     alone = client.completions.create(**{**kwargs, "n": 1, "seed": 12})
     assert alone.choices[0].text == texts[1]
     assert first.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counted once
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache(server, client):
+    hits = "vllm:prefix_cache_hits_total"
+    before = server.metrics()[hits]
+    prompt = "a prompt that no other test sends, long enough for a few blocks of sixteen tokens"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3, temperature=0)
+    block = 16
+    shared = (out.usage.prompt_tokens - 1) // block * block  # whole blocks before the last prompt token
+    assert shared >= 4 * block
+    assert server.metrics()[hits] - before == 2 * shared  # choices 1 and 2 reuse choice 0's blocks
 
 
 def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(client):
