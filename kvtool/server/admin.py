@@ -83,6 +83,7 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext, metrics) -> None:
                                            add_generation_prompt=body.add_generation_prompt)
             ids = tok.encode(text, add_special_tokens=False)
         else:
+            ctx.check_text_length(body.prompt)
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         resp = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
         if body.return_token_strs:

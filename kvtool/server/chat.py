@@ -29,6 +29,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         if reserved in kwargs:
             raise APIError(400, f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs")
     messages = [m.to_template() for m in body.messages]
+    ctx.check_text_length("".join(str(m.get("content", "")) for m in messages), "messages")
     tok = ctx.tokenizer
     prompt_ids = await anyio.to_thread.run_sync(
         lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **kwargs),

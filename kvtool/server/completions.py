@@ -22,6 +22,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, request
     model = ctx.check_model(body.model)
     body.refuse_unsupported()
     prompts = body.prompts()
+    for p in prompts:
+        if isinstance(p, str):
+            ctx.check_text_length(p)
     prompt_ids = [
         await anyio.to_thread.run_sync(ctx.tokenizer.encode, p, True) if isinstance(p, str) else list(p) for p in prompts
     ]

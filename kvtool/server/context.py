@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvtool.engine.outputs import RequestResult
 from kvtool.server.engine_loop import EngineLoop, GenerationJob
 from kvtool.server.errors import APIError
-from kvtool.server.protocol import PromptTokensDetails, Usage
+from kvtool.server.protocol import InvalidField, PromptTokensDetails, Usage
 from kvtool.server.sampling import SamplingDefaults
 
 logger = logging.getLogger("kvtool.server.requests")
@@ -38,6 +38,9 @@ class ServerContext:
         self.settings = settings
         self.started = int(time.time())
         self._token_strings: dict[int, str] = {}
+        # The longest token's length: a text longer than max_model_len of them cannot fit (vLLM's bound).
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        self.max_chars_per_token = max((len(t) for t in vocab), default=1)
 
     @property
     def defaults(self) -> SamplingDefaults:
@@ -55,6 +58,15 @@ class ServerContext:
             raise APIError(400, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
         return model
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long for the context whatever its tokens (vLLM's check)."""
+        limit = self.max_model_len * self.max_chars_per_token
+        if len(text) > limit:
+            raise InvalidField(param, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                      f"your prompt contains {len(text)} characters (more than {limit} characters, "
+                                      f"which is the upper bound for {self.max_model_len} input tokens). Please "
+                                      "reduce the length of the input prompt.")
 
     def token_string(self, token_id: int) -> str:
         s = self._token_strings.get(token_id)

@@ -272,6 +272,8 @@ def test_guided_regex_choice_and_structured_outputs(client):
     ("/v1/completions", {"prompt": "x", "kv_transfer_params": {"lmcache.tag.user": 5}}, "kv_transfer_params"),
     ("/v1/completions", {"prompt": "x", "kv_transfer_params": {"k": {"nested": 1}}}, "kv_transfer_params"),
     ("/detokenize", {"tokens": [10**6]}, "tokens"),
+    ("/v1/completions", {"prompt": "y" * 10**6}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 10**6}]}, "messages"),
 ])
 def test_bad_input_is_a_400_in_openai_s_shape_and_the_server_keeps_serving(server, client, path, body, param):
     err = _assert_400(server, path, body, param)
