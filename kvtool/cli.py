@@ -71,6 +71,44 @@ def _register_optional() -> None:
 _register_optional()
 
 
+def keep_indented_blocks(doc: str) -> str:
+    """Mark each paragraph holding indented lines (an Examples block) so click prints it as written
+    instead of re-wrapping its command lines into one run of text."""
+    import inspect
+
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    for i, para in enumerate(paragraphs):
+        lines = para.strip("\n").splitlines()
+        indents = {len(l) - len(l.lstrip()) for l in lines if l.strip()}
+        if len(lines) > 1 and len(indents) > 1 and "\b" not in para:
+            paragraphs[i] = "\b\n" + para.strip("\n")
+    return "\n\n".join(paragraphs)
+
+
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Click's plain help everywhere (rich panels cut option names at 80 columns), examples kept as written."""
+    typer_app.rich_markup_mode = None
+    for info in typer_app.registered_commands:
+        if info.callback is not None and info.callback.__doc__:
+            info.callback.__doc__ = keep_indented_blocks(info.callback.__doc__)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_help(group.typer_instance)
+
+
+def _plain_help_everywhere() -> None:
+    # Commands may dispatch to Typer apps of their own (replay's make-trace): reach them all.
+    _plain_help(app)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kvtool.commands.") and module is not None:
+            for value in vars(module).values():
+                if isinstance(value, typer.Typer):
+                    _plain_help(value)
+
+
+_plain_help_everywhere()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI (argv defaults to sys.argv[1:]); always ends with SystemExit."""
     try:
