@@ -30,6 +30,8 @@ _MASK32 = 0xFFFFFFFF
 # Odd multiplier below 2**31, so that x * _MIX (x < 2**32) never leaves int64.
 _MIX = 0x45D9F3B
 _NEG_INF = float("-inf")
+# Rows whose noise is drawn at once: bounds the int64/float64 temporaries to about this many elements.
+_NOISE_ELEMENTS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -245,7 +247,12 @@ def _draw(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
         x = _top_k_top_p(x, params)
     keys = torch.tensor([row_key(r.seed, len(r.output_token_ids)) for r in rows], dtype=torch.int64, device=dev)
-    return (x.double() + gumbel_noise(keys, vocab)).argmax(dim=-1)
+    step = max(1, _NOISE_ELEMENTS // vocab)
+    parts = [
+        (x[i : i + step].double() + gumbel_noise(keys[i : i + step], vocab)).argmax(dim=-1)
+        for i in range(0, n, step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -177,3 +177,13 @@ def test_tiny_temperatures_are_raised_to_vllm_s_floor():
     assert SamplingParams(temperature=1e-45).temperature == 0.01
     tokens, _ = sample(_logits(), [_row(temperature=1e-300)])
     assert 0 <= tokens[0] < VOCAB
+
+
+def test_drawing_in_row_chunks_changes_nothing(monkeypatch):
+    import kvtool.engine.sampler as sampler
+
+    logits = _logits(7)
+    rows = [_row(seed=100 + i, output=[1] * i) for i in range(7)]
+    whole = sample(logits, rows)[0]
+    monkeypatch.setattr(sampler, "_NOISE_ELEMENTS", 2 * VOCAB)  # two rows at a time
+    assert sample(logits, rows)[0] == whole
