@@ -2,6 +2,7 @@
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
@@ -14,7 +15,26 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Plain click help wraps text and never cuts an option name at 80 columns (rich panels do).
+    rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvtool import __version__
+
+        print(f"kvtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """An LLM inference engine and toolkit for KV offload and external KV caches."""
 model_app = typer.Typer(help="Create model directories.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
@@ -49,6 +69,44 @@ def _register_optional() -> None:
 
 
 _register_optional()
+
+
+def keep_indented_blocks(doc: str) -> str:
+    """Mark each paragraph holding indented lines (an Examples block) so click prints it as written
+    instead of re-wrapping its command lines into one run of text."""
+    import inspect
+
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    for i, para in enumerate(paragraphs):
+        lines = para.strip("\n").splitlines()
+        indents = {len(l) - len(l.lstrip()) for l in lines if l.strip()}
+        if len(lines) > 1 and len(indents) > 1 and "\b" not in para:
+            paragraphs[i] = "\b\n" + para.strip("\n")
+    return "\n\n".join(paragraphs)
+
+
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Click's plain help everywhere (rich panels cut option names at 80 columns), examples kept as written."""
+    typer_app.rich_markup_mode = None
+    for info in typer_app.registered_commands:
+        if info.callback is not None and info.callback.__doc__:
+            info.callback.__doc__ = keep_indented_blocks(info.callback.__doc__)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_help(group.typer_instance)
+
+
+def _plain_help_everywhere() -> None:
+    # Commands may dispatch to Typer apps of their own (replay's make-trace): reach them all.
+    _plain_help(app)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kvtool.commands.") and module is not None:
+            for value in vars(module).values():
+                if isinstance(value, typer.Typer):
+                    _plain_help(value)
+
+
+_plain_help_everywhere()
 
 
 def main(argv: list[str] | None = None) -> None:

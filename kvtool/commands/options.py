@@ -91,6 +91,7 @@ def with_engine_options(fn):
     """Give a command every engine flag; it receives them as one `engine: EngineParams` argument."""
     sig = inspect.signature(fn, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "engine"]
+    takes_model_tag = "model_tag" in sig.parameters
     added = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         for name, default, annotation in _ENGINE_OPTIONS
@@ -99,7 +100,17 @@ def with_engine_options(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         opts = {name: kwargs.pop(name) for name in ENGINE_OPTION_NAMES}
+        # `serve MODEL` (vLLM's positional model) and --model name the same thing.
+        positional = kwargs.pop("model_tag", None)
+        if positional is not None:
+            from kvtool.engine.errors import ConfigError
+
+            if opts["model"] is not None and opts["model"] != positional:
+                raise ConfigError(f"the model is given twice: {positional!r} and --model {opts['model']!r}")
+            opts["model"] = positional
         kwargs["engine"] = build_engine_params(**opts)
+        if takes_model_tag:
+            kwargs["model_tag"] = positional
         return fn(*args, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + added)

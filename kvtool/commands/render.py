@@ -1,6 +1,8 @@
 """The one output sink: a rich table (or text) on stdout, or exactly one JSON document.
 
 Progress bars, hints and warnings go to stderr, and progress is off under --json.
+Tables never cut a cell at a narrow terminal: their columns fold long values onto the next line
+instead of ending them with an ellipsis (rich's default).
 """
 
 import contextlib
@@ -10,9 +12,30 @@ from collections.abc import Iterator
 import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+
+def fold_tables(renderable) -> None:
+    """Make every table in `renderable` (a Table, or a Group of them) fold instead of cutting."""
+    if isinstance(renderable, Table):
+        for column in renderable.columns:
+            if column.overflow == "ellipsis":
+                column.overflow = "fold"
+    for child in getattr(renderable, "renderables", ()):
+        fold_tables(child)
+
+
+class FoldingConsole(Console):
+    """A Console whose tables keep every character of their cells at any width."""
+
+    def print(self, *objects, **kwargs) -> None:
+        for obj in objects:
+            fold_tables(obj)
+        super().print(*objects, **kwargs)
+
+
+stdout = FoldingConsole(soft_wrap=True)
+stderr = FoldingConsole(stderr=True, soft_wrap=True)
 
 
 def print_json(obj) -> None:

@@ -1,7 +1,11 @@
 """`kvtool serve`: an OpenAI-compatible HTTP server over the engine, with KV metrics."""
 
+import contextlib
 import logging
+import signal
 import socket
+import threading
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -21,6 +25,9 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 @with_engine_options
 def serve(
+    model_tag: Annotated[
+        Optional[str], typer.Argument(metavar="MODEL", help="Model directory, as `vllm serve MODEL` (or --model).")
+    ] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free port, shown when ready).")] = 8000,
     served_model_name: Annotated[
@@ -33,6 +40,18 @@ def serve(
         Optional[str],
         typer.Option("--api-key", envvar="KVTOOL_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes."),
     ] = None,
+    chat_template: Annotated[
+        Optional[str],
+        typer.Option("--chat-template", help="Chat template: a file path, or the template text itself."),
+    ] = None,
+    generation_config: Annotated[
+        str,
+        typer.Option("--generation-config", help="Request defaults: auto (the model's generation_config.json), "
+                     "vllm (none), or a directory holding a generation_config.json."),
+    ] = "auto",
+    enable_log_requests: Annotated[
+        bool, typer.Option("--enable-log-requests", help="Log each request's id, prompt length and sampling.")
+    ] = False,
     uvicorn_log_level: Annotated[
         str, typer.Option("--uvicorn-log-level", help="critical, error, warning, info, debug or trace.")
     ] = "info",
@@ -47,13 +66,15 @@ def serve(
     and pending KV stores are written.
 
     Examples:
+
+    \b
       kvtool serve
-      kvtool serve --model DIR --port 8001 --served-model-name qwen3 --api-key secret
+      kvtool serve DIR --port 8001 --served-model-name qwen3 --api-key secret
       kvtool serve --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'
     """
     import uvicorn
 
-    from kvtool.server import ServerSettings, create_app
+    from kvtool.server import ServerSettings, create_app, load_generation_defaults
 
     if uvicorn_log_level not in UVICORN_LOG_LEVELS:
         raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {uvicorn_log_level!r}")
@@ -61,6 +82,9 @@ def serve(
         raise ConfigError(f"--port must be between 0 and 65535, got {port}")
     if api_key is not None and not api_key:
         raise ConfigError("--api-key must not be empty")
+    template_text = _read_chat_template(chat_template) if chat_template is not None else None
+    if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
+        raise ConfigError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
     _log_to_stderr(uvicorn_log_level)
     # Bind before loading the model, so a taken port fails at once; listen only once it is loaded.
     sock = _bind(host, port)
@@ -69,11 +93,16 @@ def serve(
             from kvtool.engine.engine import DEFAULT_MODEL_NAME
 
             model = engine.model if engine.model is not None else DEFAULT_MODEL_NAME
-            settings = ServerSettings(served_model_names=served_model_name or [model], model_root=model, api_key=api_key)
+            settings = ServerSettings(
+                served_model_names=served_model_name or [model], model_root=model, api_key=api_key,
+                generation_defaults=load_generation_defaults(generation_config, llm.model_dir.generation_config),
+                log_requests=enable_log_requests,
+            )
+            tokenizer = llm.tokenizer.with_chat_template(template_text) if template_text is not None else None
             url = _url(sock)
             server: uvicorn.Server | None = None
             app = create_app(
-                llm, settings,
+                llm, settings, tokenizer=tokenizer,
                 on_ready=lambda: render.info(f"kvtool serve ready at {url}"),
                 shutdown_requested=lambda: server is not None and server.should_exit,
                 grace_s=GRACEFUL_SHUTDOWN_S,
@@ -82,7 +111,7 @@ def serve(
                 app, log_level=uvicorn_log_level, log_config=_uvicorn_log_config(), lifespan="on",
                 timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S + _UVICORN_SHUTDOWN_BACKSTOP_S),
             )
-            server = uvicorn.Server(config)
+            server = _draining_server(config)
             sock.listen(2048)
             try:
                 server.run(sockets=[sock])
@@ -91,6 +120,43 @@ def serve(
                 app.state.engine_loop.shutdown()
     finally:
         sock.close()
+
+
+def _draining_server(config):
+    """A uvicorn.Server whose SIGINT/SIGTERM start the graceful drain and end with exit status 0.
+
+    uvicorn re-raises the captured signal once it has shut down (exit 130/143); a clean drain
+    is a normal end, so this server only records the signal.
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer(config)
+
+
+def _read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's text, or the argument itself when it looks like a template."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {value}: cannot be read ({e})") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and it does not look like a template")
 
 
 def _bind(host: str, port: int) -> socket.socket:

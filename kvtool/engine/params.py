@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -63,16 +64,67 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("--max-model-len must be positive")
 
 
+# vLLM raises temperatures in (0, MIN_TEMPERATURE) to it: smaller ones overflow float32 logits.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0
+# Bounds that keep one request's host-side work small (vLLM has none this tight; no real request needs more).
+MAX_STOP_ENTRIES = 64
+MAX_BAD_WORDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 4096
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Constrained decoding, as vLLM's StructuredOutputsParams: exactly one field is set."""
+
+    # A JSON schema (a dict, or its JSON text).
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    # A Lark grammar (llguidance's dialect).
+    grammar: str | None = None
+    # Any JSON object (response_format {"type": "json_object"}).
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InputError(
+                "structured outputs need exactly one of json, regex, choice, grammar or json_object"
+                + (f", got {', '.join(kinds)}" if kinds else "")
+            )
+        if self.choice is not None and not self.choice:
+            raise InputError("a structured-output choice needs at least one string")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Per-request sampling, as vLLM's SamplingParams (the subset kvtool supports)."""
+    """Per-request sampling, as vLLM's SamplingParams (the subset kvtool supports).
+
+    The logits of a step go through, in vLLM's order: the structured-output mask, bad words,
+    logit_bias, min_tokens (EOS and stop_token_ids masked), the repetition penalty (prompt and
+    output tokens), frequency and presence penalties (output tokens); greedy takes the argmax
+    there. Otherwise: temperature, min_p, top_k, top_p, then a seeded draw.
+    """
 
     max_tokens: int = 16
-    # 0 means greedy (argmax).
+    # 0 means greedy (argmax); (0, 0.01) is raised to 0.01 as vLLM does.
     temperature: float = 1.0
     top_p: float = 1.0
     # 0 or -1 disables top-k.
     top_k: int = 0
-    # Same seed, same output; None draws from the engine's generator.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Token id -> bias added to its logit (clamped to [-100, 100] as vLLM does).
+    logit_bias: dict[int, float] | None = None
+    # EOS and stop_token_ids cannot be sampled before this many output tokens.
+    min_tokens: int = 0
+    # Token id sequences that are never completed (vLLM's bad_words, tokenized).
+    bad_words_token_ids: list[list[int]] = []
+    structured_outputs: StructuredOutputsParams | None = None
+    # Same seed, same output; None: the engine assigns one from its own generator.
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -81,17 +133,71 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _check_finite(self, ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"))
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InputError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise InputError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InputError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InputError(f"seed must be in [0, 2^64 - 1], got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InputError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if len(self.stop) > MAX_STOP_ENTRIES or len(self.stop_token_ids) > MAX_STOP_ENTRIES:
+            raise InputError(f"stop and stop_token_ids take at most {MAX_STOP_ENTRIES} entries each")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InputError("stop_token_ids must be non-negative token ids")
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise InputError(f"bad_words takes at most {MAX_BAD_WORDS} entries")
+        if any(not ids or any(t < 0 for t in ids) for ids in self.bad_words_token_ids):
+            raise InputError("bad_words must tokenize to non-empty lists of token ids")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise InputError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+            if any(t < 0 for t in self.logit_bias):
+                raise InputError("logit_bias keys must be non-negative token ids")
+            for v in self.logit_bias.values():
+                if not math.isfinite(v):
+                    raise InputError(f"logit_bias values must be finite numbers, got {v}")
+            self.logit_bias = {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for t, v in self.logit_bias.items()}
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def samples_from_history(self) -> bool:
+        """Whether a sample depends on the output so far (penalties, a grammar, bad words,
+        min_tokens): async scheduling then waits for the previous sample before the next step."""
+        return bool(self.has_penalties or self.structured_outputs is not None or self.bad_words_token_ids
+                    or self.min_tokens)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def largest_token_id(self) -> int:
+        """The largest token id the params name (-1 when none): the engine checks it against the vocabulary."""
+        ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(t for w in self.bad_words_token_ids for t in w)]
+        return max(ids, default=-1)
+
+
+def _check_finite(params: SamplingParams, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            raise InputError(f"{name} must be a finite number, got {value}")

@@ -8,13 +8,13 @@ Two ways to run the forward, picked once from data (`attention.select_backend`):
   decode sequences replays a captured CUDA graph when the connector has no per-layer work;
   anything else runs eagerly through the same kernels.
 
-Greedy steps without logprobs take the argmax on the device; other sampling goes through
-`sample_tokens` (CPU, reproducible across devices).
+Sampling (`sampler.sample_on_device`) runs on the logits' device and leaves the token ids
+there; a seeded draw is reproducible whatever the batch and the device.
 
-The runner owns its batch state: per request, a block table, the sampling params and the
-request's random stream, built from `NewRequestData` and grown from each `ScheduledRequest`'s
-new block ids. It changes that state only from the scheduler's messages, never from the
-scheduler's objects, so a pickled copy of every step's message drives it identically.
+The runner owns its batch state: per request, a block table, the sampling params, its seed and
+the tokens it has seen, built from `NewRequestData` and grown from each `ScheduledRequest`.
+It changes that state only from the scheduler's messages, never from the scheduler's objects,
+so a pickled copy of every step's message drives it identically.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvtool.engine.messages import (
     SchedulerOutput,
 )
 from kvtool.engine.params import SamplingParams
-from kvtool.engine.sampler import sample_tokens
+from kvtool.engine.sampler import SampleRow, sample_on_device
 
 MAX_GRAPH_BATCH = 512
 
@@ -68,6 +68,9 @@ class _RequestState:
     sampling: SamplingParams
     seed: int
     num_prompt_tokens: int
+    # The tokens it has seen (prompt, then outputs), for the samplers that read history.
+    token_ids: list[int]
+    eos_token_ids: frozenset[int]
     table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32))
     num_blocks: int = 0
 
@@ -84,10 +87,11 @@ class _RequestState:
     def block_table(self) -> np.ndarray:
         return self.table[: self.num_blocks]
 
-    def random_stream(self, output_index: int) -> torch.Generator:
-        """The generator for this request's output token `output_index`: it depends on the seed and
-        the position alone, so a draw is the same whatever the batch, and after a preemption."""
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + output_index) % (1 << 63))
+    def see(self, start: int, token_ids: list[int]) -> None:
+        """Record a step's tokens (known ones only: a placeholder's sample stays on the device)."""
+        end = start + len(token_ids)
+        if end > len(self.token_ids) and token_ids[-1] != PLACEHOLDER_TOKEN:
+            self.token_ids.extend(token_ids[len(self.token_ids) - start :])
 
 
 @dataclass(slots=True)
@@ -151,8 +155,8 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_pages.geometry.block_size
         self.connector = connector
-        self.generator = torch.Generator().manual_seed(seed)
         self._states: dict[str, _RequestState] = {}
+        self._bitmasks: dict = {}  # this step's structured-output masks, by request id
         # The last step's samples, for the decode tokens of the next step under async scheduling.
         self._prev: SampledTokens | None = None
         self._prev_rows: dict[str, int] = {}
@@ -195,11 +199,16 @@ class ModelRunner:
             self._states.pop(rid, None)
         for new in so.new_requests:
             self._states[new.request_id] = _RequestState(
-                sampling=new.sampling, seed=new.seed, num_prompt_tokens=len(new.prompt_token_ids)
+                sampling=new.sampling, seed=new.seed, num_prompt_tokens=len(new.prompt_token_ids),
+                token_ids=new.prompt_token_ids + new.output_token_ids, eos_token_ids=frozenset(new.eos_token_ids),
             )
         for s in so.scheduled:
+            state = self._states[s.request_id]
             if s.new_block_ids:
-                self._states[s.request_id].add_blocks(s.new_block_ids)
+                state.add_blocks(s.new_block_ids)
+            if s.start + s.num_tokens > len(state.token_ids):
+                state.see(s.start, s.token_ids)
+        self._bitmasks = so.allowed_token_bitmasks
 
     @property
     def request_ids(self) -> list[str]:
@@ -358,17 +367,19 @@ class ModelRunner:
         """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
         states = [self._states[s.request_id] for s in seqs]
         req_ids = [s.request_id for s in seqs]
-        if all(st.sampling.is_greedy and st.sampling.logprobs is None for st in states):
-            # On the device: the host reads them only when the step's result is asked for.
-            tokens = greedy.clone() if greedy is not None else logits.argmax(dim=-1)
-            return SampledTokens(req_ids, tokens, {})
-        generators = [
-            None if st.sampling.is_greedy else st.random_stream(s.start + s.num_tokens - st.num_prompt_tokens)
-            for s, st in zip(seqs, states)
-        ]
-        tokens, lps = sample_tokens(logits, [st.sampling for st in states], generators, self.generator)
+        masks = self._bitmasks
+        rows = []
+        for s, st in zip(seqs, states):
+            n = st.num_prompt_tokens
+            # Only samplers that read the history get it (copying it for every row is the hot path's cost).
+            history = st.sampling.samples_from_history
+            rows.append(SampleRow(st.sampling, st.seed, st.token_ids[:n] if history else (),
+                                  st.token_ids[n:] if history else (), st.eos_token_ids,
+                                  masks.get(s.request_id), position=s.start + s.num_tokens - n))
+        # On the device: the host reads the tokens only when the step's result is asked for.
+        tokens, lps = sample_on_device(logits, rows, greedy)
         logprobs = {rid: lp for rid, lp in zip(req_ids, lps) if lp is not None}
-        return SampledTokens(req_ids, torch.tensor(tokens, dtype=torch.int64), logprobs)
+        return SampledTokens(req_ids, tokens, logprobs)
 
     def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
         c = self.connector

@@ -15,10 +15,9 @@ the scheduler's own `Request` objects.
 
 from __future__ import annotations
 
-from collections import deque
-
 import logging
 import time
+from collections import deque
 
 from kvtool.engine.block_pool import BlockPool
 from kvtool.engine.connectors.base import SchedulerHalf
@@ -118,8 +117,10 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_scheduled_tokens_total - req.num_computed_tokens, budget)
             if (num_new <= 0 or req.has_load_in_flight
+                    or (req.num_output_placeholders and req.sampling.samples_from_history)
                     or len(req.output_token_ids) + req.num_output_placeholders >= req.max_tokens):
-                # Waiting for a step in flight (its load, or its last sample): nothing to add now.
+                # Waiting for a step in flight: its load, its last sample, or (penalties, grammars,
+                # bad words, min_tokens) the host-side history its next sample depends on.
                 i += 1
                 continue
             need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
@@ -238,7 +239,8 @@ class Scheduler:
             sent = 0
             new_requests.append(
                 NewRequestData(request_id=rid, prompt_token_ids=list(req.prompt_token_ids),
-                               output_token_ids=list(req.output_token_ids), sampling=req.sampling, seed=req.seed)
+                               output_token_ids=list(req.output_token_ids), sampling=req.sampling, seed=req.seed,
+                               eos_token_ids=[] if req.sampling.ignore_eos else sorted(req.eos_token_ids))
             )
         self.num_sent_blocks[rid] = len(req.block_ids)
         start = req.num_computed_tokens

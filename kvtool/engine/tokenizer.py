@@ -102,6 +102,13 @@ class Tokenizer:
         self.chat_template_source = chat_template if chat_template is not None else CHATML_TEMPLATE
         self._template = compile_chat_template(self.chat_template_source)
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """The same tokenizer with another chat template (`serve --chat-template`); InputError when it does not compile."""
+        try:
+            return Tokenizer(self.backend, special_tokens=self.special_tokens, chat_template=source)
+        except jinja2.TemplateSyntaxError as e:
+            raise InputError(f"the chat template does not compile (line {e.lineno}: {e.message})") from None
+
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and chat_template.jinja from a model directory.

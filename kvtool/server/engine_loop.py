@@ -14,6 +14,13 @@ Events of one request, in order: Accepted or Rejected; then Tokens (streaming re
 one per step that produced tokens); then Finished. Failed takes the place of Accepted or of
 Finished when the loop cannot run the request: it is shutting down, or the engine raised.
 
+One request's failure never stops the loop. add_request raising InputError (or any KVToolError)
+rejects that request (400); any other exception while adding it fails it alone (500). A step that
+raises fails the requests added since the last good step (a bad request fails at its first
+schedule), or every request in flight when none was, aborting each in the engine so its blocks
+are freed, and the loop goes on. Only a failure of the engine itself (a device error, memory
+exhausted, or steps that keep failing) stops the loop; /health then answers 503.
+
 Shutdown: drain(grace_s) refuses new requests and aborts those still running grace_s seconds
 later (they end with Finished, finish_reason "abort", so streams close properly); shutdown()
 aborts whatever is left, calls engine.close() (which waits for pending KV stores) on the loop
@@ -34,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from kvtool.engine.errors import KVToolError
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
@@ -43,6 +51,21 @@ if TYPE_CHECKING:
     from kvtool.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# Steps failing in a row after which the engine itself is taken as broken.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+def is_engine_failure(e: BaseException) -> bool:
+    """Whether an exception means the engine itself is broken (device lost, memory exhausted),
+    as opposed to one request's fault."""
+    if isinstance(e, (MemoryError, SystemError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    return "CUDA" in text or "cuda" in text or "OutOfMemoryError" in text
 
 
 @dataclass(slots=True)
@@ -56,6 +79,10 @@ class GenerationJob:
     kv_transfer_params: dict | None = None
     # True: a Tokens event per step; False: only the Finished event.
     stream: bool = False
+    # Another request of the same prompt (choice 0 of n): this one enters the engine once that one
+    # has its first token, so that its prompt blocks are computed once and then shared through
+    # the prefix cache instead of computed by every choice in the same step.
+    share_prefix_with: str | None = None
 
 
 # ---- events (loop thread -> HTTP side) ---------------------------------------------------------
@@ -152,6 +179,7 @@ class _Tracked:
     job: GenerationJob
     sink: EventSink
     num_sent_tokens: int = 0
+    has_output: bool = False
 
 
 class EngineLoop:
@@ -165,6 +193,7 @@ class EngineLoop:
         self.on_finished = on_finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._parked: dict[str, list[_Add]] = {}  # loop thread: leader request id -> jobs waiting for its first token
         self._lock = threading.Lock()  # guards _accepting against add() racing the loop's exit
         self._accepting = False
         self._draining = False
@@ -172,9 +201,13 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stats = msgspec.structs.replace(engine.stats())
         self._num_in_flight = 0
+        self._queues = (0, 0)  # (running, waiting) as of the end of the last step
         self.error: str | None = None
+        self._fresh: list[str] = []  # loop thread: requests added since the last good step
+        self._step_failures = 0
         # Read-only facts the HTTP side needs (copied, so it never reads the engine).
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
 
     # ---- HTTP side ----------------------------------------------------------------------------
 
@@ -201,6 +234,10 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The engine's totals as of the end of the last step (a copy; safe from any thread)."""
         return self._stats
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests as of the end of the last step (safe from any thread)."""
+        return self._queues
 
     @property
     def num_in_flight(self) -> int:
@@ -237,7 +274,7 @@ class EngineLoop:
         try:
             while self._drain(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
-                    self._dispatch(engine.step())
+                    self._step()
                 if not engine.has_unfinished_requests() and self._tracked:
                     self._finish_stragglers()
                 if self._deadline is not None and self._tracked and time.monotonic() >= self._deadline:
@@ -245,6 +282,8 @@ class EngineLoop:
                     for request_id in list(self._tracked):
                         self._abort(request_id)
                 self._stats = msgspec.structs.replace(engine.stats())
+                sched = engine.scheduler
+                self._queues = (len(sched.running), len(sched.waiting))
         except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("the engine loop failed; refusing new requests")
             self.error = f"the engine failed: {type(e).__name__}: {e}"
@@ -252,6 +291,37 @@ class EngineLoop:
             with self._lock:
                 self._accepting = False
             self._end_all()
+
+    def _step(self) -> None:
+        """One engine step; a failure that belongs to requests ends them, not the loop."""
+        try:
+            outputs = self._engine.step()
+        except Exception as e:  # noqa: BLE001 - classified below
+            self._step_failures += 1
+            if is_engine_failure(e) or self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            suspects = self._fresh or list(self._tracked)
+            logger.warning("a step failed (%s: %s); failing %d request(s)", type(e).__name__, e, len(suspects))
+            self._fresh = []
+            for request_id in suspects:
+                self._fail_request(request_id, f"the request failed: {type(e).__name__}: {e}")
+            return
+        self._step_failures = 0
+        self._fresh = []
+        self._dispatch(outputs)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """End one request with a 500 (Failed) and free what the engine holds for it."""
+        t = self._tracked.pop(request_id, None)
+        self._num_in_flight = len(self._tracked)
+        try:
+            self._engine.abort_request(request_id)
+            self._engine.pop_result(request_id)
+        except Exception:  # noqa: BLE001 - the request is gone either way
+            logger.exception("cleaning up failed request %s", request_id)
+        if t is not None:
+            t.sink.put(Failed(message, is_shutdown=False))
+        self._release(request_id)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when `block`. False once a stop arrives."""
@@ -275,6 +345,10 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         job = cmd.job
+        leader = self._tracked.get(job.share_prefix_with) if job.share_prefix_with is not None else None
+        if leader is not None and not leader.has_output:
+            self._parked.setdefault(job.share_prefix_with, []).append(cmd)
+            return
         try:
             self._engine.add_request(
                 job.prompt_token_ids,
@@ -286,11 +360,31 @@ class EngineLoop:
         except KVToolError as e:
             cmd.sink.put(Rejected(e))
             return
+        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the loop
+            if is_engine_failure(e):
+                raise
+            logger.warning("adding request %s failed: %s: %s", job.request_id, type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                self._engine.abort_request(job.request_id)
+                self._engine.pop_result(job.request_id)
+            cmd.sink.put(Failed(f"the request failed: {type(e).__name__}: {e}", is_shutdown=False))
+            return
+        self._fresh.append(job.request_id)
         self._tracked[job.request_id] = _Tracked(job, cmd.sink)
         self._num_in_flight = len(self._tracked)
         cmd.sink.put(Accepted())
 
+    def _release(self, leader_id: str) -> None:
+        """Add the jobs that waited for `leader_id`'s first token (or its end)."""
+        for cmd in self._parked.pop(leader_id, ()):
+            self._add(cmd)
+
     def _abort(self, request_id: str) -> None:
+        for leader_id, cmds in self._parked.items():
+            kept = [c for c in cmds if c.job.request_id != request_id]
+            if len(kept) != len(cmds):
+                self._parked[leader_id] = kept
+                return
         if request_id not in self._tracked:
             return
         self._engine.abort_request(request_id)
@@ -301,6 +395,9 @@ class EngineLoop:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue
+            if not t.has_output and out.new_token_ids:
+                t.has_output = True
+                self._release(out.request_id)
             if out.finished:
                 self._finish(out.request_id)
             elif t.job.stream and out.new_token_ids:
@@ -318,6 +415,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - metrics must not take the loop down
                 logger.exception("on_finished callback failed")
         t.sink.put(Finished(result, result.stop_reason, result.kv_transfer_params))
+        self._release(request_id)
 
     def _finish_stragglers(self) -> None:
         # The engine is idle but some request never reported its end: end it rather than hang its client.
@@ -349,6 +447,10 @@ class EngineLoop:
             if t is not None:
                 t.sink.put(self._failed())
         self._num_in_flight = 0
+        for cmds in self._parked.values():
+            for cmd in cmds:
+                cmd.sink.put(self._failed())
+        self._parked.clear()
         while True:
             try:
                 cmd = self._commands.get_nowait()

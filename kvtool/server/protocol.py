@@ -1,22 +1,32 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models, validated both ways).
 
 Requests refuse unknown fields, as OpenAI's API does. Besides OpenAI's fields they take the vLLM
-extras kvtool supports: top_k, ignore_eos, stop_token_ids, cache_salt, kv_transfer_params,
-return_token_ids, and chat_template_kwargs / add_generation_prompt for chat. Fields kvtool
-accepts but cannot honour (penalties, logit_bias, n > 1, ...) are accepted only at their neutral
-value, so that a request never silently means something else.
+extras kvtool supports: top_k, min_p, repetition_penalty, min_tokens, bad_words, ignore_eos,
+stop_token_ids, structured_outputs and the guided_* fields, cache_salt, kv_transfer_params,
+return_token_ids, and chat_template_kwargs / add_generation_prompt for chat. Every numeric field
+is bounded here, so a value the engine could not run is a 400 before it gets there. Fields
+kvtool accepts but cannot honour (tools, suffix, best_of > 1) are refused by name.
+
+Fields that a model's generation config may default (temperature, top_p, top_k, min_p,
+repetition_penalty) are None when the request leaves them out.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from kvtool.engine.errors import InputError
 from kvtool.engine.params import SamplingParams
 
-TokenIds = list[StrictInt]
+MAX_SEED = 2**64 - 1
+MAX_INT = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_INT)]], Field(max_length=1 << 20)]
+# kv_transfer_params values: JSON scalars, or short lists of them.
+_Scalar = StrictStr | StrictBool | StrictInt | StrictFloat | None
+KVParamValue = _Scalar | Annotated[list[_Scalar], Field(max_length=1024)]
 
 
 class _Strict(BaseModel):
@@ -31,36 +41,49 @@ class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    # (0, 0.01) is raised to 0.01 as vLLM does: smaller temperatures overflow the logits.
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None
+    n: Annotated[int, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=4096)] | None = None
     user: str | None = None
     # vLLM's extras.
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
+    bad_words: Annotated[list[str], Field(max_length=256)] | None = None
     ignore_eos: bool = False
-    stop_token_ids: TokenIds | None = None
-    cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=64)] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+    cache_salt: Annotated[str, Field(max_length=1024)] | None = None
+    kv_transfer_params: Annotated[dict[Annotated[str, Field(max_length=256)], KVParamValue], Field(max_length=64)] | None = None
     return_token_ids: bool = False
 
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _tags_are_strings(cls, value: dict | None) -> dict | None:
+        for key, v in (value or {}).items():
+            if key.startswith("lmcache.tag.") and not isinstance(v, str):
+                raise ValueError(f"{key} must be a string")
+            if isinstance(v, str) and len(v) > 4096:
+                raise ValueError(f"{key} is longer than 4096 characters")
+        return value
+
     def refuse_unsupported(self) -> None:
-        """Raise InvalidField for a field kvtool accepts only at its neutral value."""
-        if self.n != 1:
-            raise InvalidField("n", f"n must be 1 (one choice per request), got {self.n}")
-        if self.presence_penalty != 0.0:
-            raise InvalidField("presence_penalty", "presence_penalty is not supported (only 0)")
-        if self.frequency_penalty != 0.0:
-            raise InvalidField("frequency_penalty", "frequency_penalty is not supported (only 0)")
-        if self.logit_bias:
-            raise InvalidField("logit_bias", "logit_bias is not supported")
+        """Raise InvalidField for a field kvtool does not support, or a combination it refuses."""
         if self.stream_options is not None and not self.stream:
             raise InvalidField("stream_options", "stream_options is only allowed with stream: true")
         if self.cache_salt is not None and not self.cache_salt:
@@ -92,30 +115,30 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    # A string, a list of token ids, or a batch of exactly one of either.
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    # A string, a list of token ids, or a batch (list) of either: one choice per prompt.
+    prompt: str | TokenIds | Annotated[list[str], Field(max_length=256)] | Annotated[list[TokenIds], Field(max_length=256)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=64)] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise InvalidField("echo", "echo is not supported")
         if self.suffix:
             raise InvalidField("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise InvalidField("best_of", f"best_of must be 1, got {self.best_of}")
+        if self.echo and self.logprobs is not None:
+            raise InvalidField("echo", "echo with logprobs is not supported (kvtool returns no prompt logprobs)")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; raises InvalidField for a batch of several."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, in order (one, or a batch)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidField("prompt", f"one prompt per request is supported, got a batch of {len(p)}")
-            return p[0]
-        return p
+            return list(p)
+        if isinstance(p, list) and not p:
+            raise InvalidField("prompt", "the prompt is empty")
+        return [p]
 
 
 class TextPart(_Strict):
@@ -141,10 +164,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -156,8 +178,6 @@ class ChatCompletionRequest(_GenerationRequest):
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidField("response_format", "only response_format {\"type\": \"text\"} is supported")
         if self.tools:
             raise InvalidField("tools", "tools are not supported")
         if self.tool_choice not in (None, "none"):

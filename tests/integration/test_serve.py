@@ -119,9 +119,9 @@ def test_health_models_and_metrics(server, client):
     metrics = httpx.get(f"{server.url}/metrics")
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain")
-    for name in ("kvtool:requests_total", "kvtool:prefix_cache_queries_total", "kvtool:prefix_cache_hits_total",
-                 "kvtool:connector_loaded_tokens_total", "kvtool:connector_transfer_bytes_total",
-                 "kvtool:connector_load_failures_total", "kvtool:time_to_first_token_seconds_bucket"):
+    for name in ("kvtool:requests_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "kvtool:connector_loaded_tokens_total", "vllm:kv_offload_load_bytes_total",
+                 "kvtool:connector_load_failures_total", "vllm:time_to_first_token_seconds_bucket"):
         assert name in metrics.text
 
 
@@ -285,7 +285,7 @@ ERROR_CASES = {
     "token-id-out-of-range": ("/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, API_KEY, 400, None),
     "malformed-json": ("/completions", b'{"model": "tiny", "prompt": ', API_KEY, 400, None),
     "not-an-object": ("/chat/completions", b"[1, 2]", API_KEY, 400, None),
-    "n-2": ("/completions", {"model": MODEL, "prompt": "hi", "n": 2}, API_KEY, 400, "n"),
+    "n-too-many": ("/completions", {"model": MODEL, "prompt": "hi", "n": 65}, API_KEY, 400, "n"),
     "unknown-field": ("/completions", {"model": MODEL, "prompt": "hi", "bogus": 1}, API_KEY, 400, "bogus"),
     "wrong-key": ("/completions", {"model": MODEL, "prompt": "hi"}, "wrong-key", 401, None),
     "missing-key": ("/completions", {"model": MODEL, "prompt": "hi"}, None, 401, None),
@@ -323,8 +323,8 @@ def test_repeated_prompt_hits_local_prefix_cache(server, client):
     assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
     assert second.choices[0].text == first.choices[0].text
     after = server.metrics()
-    hits = after["kvtool:prefix_cache_hits_total"] - before["kvtool:prefix_cache_hits_total"]
-    queries = after["kvtool:prefix_cache_queries_total"] - before["kvtool:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     assert hits == second.usage.prompt_tokens_details.cached_tokens
     assert queries == 2 * n
 
@@ -336,14 +336,14 @@ def _wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
-        if m["kvtool:num_requests_in_flight"] == 0 and m["kvtool:kv_cache_free_blocks"] == m["kvtool:kv_cache_blocks"]:
+        if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0 and m["kvtool:kv_cache_free_blocks"] == m["kvtool:kv_cache_blocks"]:
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    aborted = 'kvtool:request_finished_total{finished_reason="abort",model_name="tiny"}'
+    aborted = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}'
     before = server.metrics().get(aborted, 0.0)
     body = {"model": MODEL, "prompt": "a long one", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: the chat template, n choices, streamed or not, with logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvtool.server.context import ServerContext, by_logprob, new_call_id, usage_of
+from kvtool.server.engine_loop import Failed, Finished, Tokens
+from kvtool.server.errors import APIError, failed_error, kv_load_error
+from kvtool.server.protocol import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatStreamChoice, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob,
+)
+from kvtool.server.sampling import make_sampling, resolve_max_tokens
+from kvtool.server.streaming import (
+    DONE, IncrementalText, Reply, json_response, merged_events, sse, sse_error, sse_response, start_all, wait_all,
+)
+
+
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Response:
+    model = ctx.check_model(body.model)
+    body.refuse_unsupported()
+    kwargs = dict(body.chat_template_kwargs or {})
+    for reserved in ("messages", "add_generation_prompt"):
+        if reserved in kwargs:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs")
+    messages = [m.to_template() for m in body.messages]
+    ctx.check_text_length("".join(str(m.get("content", "")) for m in messages), "messages")
+    tok = ctx.tokenizer
+    prompt_ids = await anyio.to_thread.run_sync(
+        lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+    )
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(body.requested_max_tokens, param, len(prompt_ids), ctx.max_model_len,
+                                    ctx.defaults.max_tokens)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    call_id = new_call_id("chatcmpl")
+    jobs = [
+        ctx.job(call_id, prompt_ids, make_sampling(body, max_tokens=max_tokens, logprobs=num_top, defaults=ctx.defaults,
+                                                   tokenizer=tok, seed_offset=j), body, j,
+                share_prefix_with=0 if j else None)
+        for j in range(body.n)
+    ]
+    handles = await start_all(ctx.engine_loop, jobs, request)
+    reply = Reply(call_id, model, ctx.started, body.return_token_ids)
+    first_of_prompt = [j == 0 for j in range(body.n)]
+    if body.stream:
+        return sse_response(_stream(ctx, handles, reply, body, num_top, prompt_ids, first_of_prompt))
+    events = await wait_all(handles)
+    if events is None:
+        return Response(status_code=499)
+    choices = []
+    for i, event in enumerate(events):
+        r = event.result
+        logprobs = _logprobs(ctx, r.output_token_ids, r.logprobs or [], num_top) if num_top is not None else None
+        choice = ChatChoice(index=i, message=AssistantMessage(role="assistant", content=r.text), logprobs=logprobs,
+                            finish_reason=r.finish_reason, stop_reason=event.stop_reason)
+        if body.return_token_ids:
+            choice.token_ids = r.output_token_ids
+        choices.append(choice)
+    resp = ChatCompletionResponse(
+        id=call_id, object="chat.completion", created=reply.created, model=model, choices=choices,
+        usage=usage_of([e.result for e in events], first_of_prompt), kv_transfer_params=events[0].kv_transfer_params,
+    )
+    if body.return_token_ids:
+        resp.prompt_token_ids = prompt_ids
+    return json_response(resp)
+
+
+def _logprobs(ctx: ServerContext, token_ids: list[int], entries: list[dict[int, float]], num_top: int) -> ChoiceLogprobs:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        s = ctx.token_string(tid)
+        top = [
+            TopLogprob(token=ctx.token_string(i), logprob=lp, bytes=list(ctx.token_string(i).encode()))
+            for i, lp in by_logprob(entry)[:num_top]
+        ]
+        lp = entry.get(tid)
+        content.append(TokenLogprob(token=s, logprob=lp if lp is not None else float("-inf"),
+                                    bytes=list(s.encode()), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+async def _stream(ctx: ServerContext, handles, reply: Reply, body: ChatCompletionRequest, num_top: int | None,
+                  prompt_ids: list[int], first_of_prompt: list[bool]):
+    """Server-sent events: each choice opens with its role, then deltas, then its final chunk."""
+    every_step = num_top is not None or reply.return_token_ids
+    texts = [IncrementalText(ctx.tokenizer, body.stop_strings) for _ in handles]
+    results = [None] * len(handles)
+    first_chunk = [True]
+
+    def chunk(i: int, delta: str | None, token_ids: list[int] | None, logprobs: list[dict[int, float]],
+              final: dict[str, Any]) -> str:
+        # The opening chunk carries the role; the closing one has no content unless text is left.
+        if token_ids is None:
+            message = DeltaMessage(role="assistant", content="")
+        else:
+            message = DeltaMessage(content=delta) if delta or final["finish_reason"] is None else DeltaMessage()
+        choice = ChatStreamChoice(index=i, delta=message, logprobs=None, **final)
+        if num_top is not None and token_ids:
+            choice.logprobs = _logprobs(ctx, token_ids, logprobs, num_top)
+        if reply.return_token_ids and token_ids is not None:
+            choice.token_ids = token_ids
+        out = ChatCompletionChunk(id=reply.id, object="chat.completion.chunk", created=reply.created,
+                                  model=reply.model, choices=[choice])
+        if reply.return_token_ids and first_chunk[0]:
+            out.prompt_token_ids = prompt_ids
+        first_chunk[0] = False
+        return sse(out)
+
+    for i in range(len(handles)):
+        yield chunk(i, None, None, [], {"finish_reason": None})
+    async for i, event in merged_events(handles):
+        if isinstance(event, Tokens):
+            delta = texts[i].push(event.token_ids)
+            if delta or every_step:
+                yield chunk(i, delta, event.token_ids, event.logprobs or [], {"finish_reason": None})
+        elif isinstance(event, Finished):
+            r = event.result
+            results[i] = r
+            n = texts[i].num_tokens
+            final = {"finish_reason": r.finish_reason, "stop_reason": event.stop_reason}
+            yield chunk(i, texts[i].finish(r.text), r.output_token_ids[n:], (r.logprobs or [])[n:], final)
+            if r.finish_reason == "error":
+                yield sse_error(kv_load_error(r))
+        elif isinstance(event, Failed):
+            yield sse_error(failed_error(event))
+            yield DONE
+            return
+    if None in results:
+        return  # the client went away
+    if body.include_usage:
+        yield sse(ChatCompletionChunk(id=reply.id, object="chat.completion.chunk", created=reply.created,
+                                      model=reply.model, choices=[], usage=usage_of(results, first_of_prompt)))
+    yield DONE
