@@ -19,11 +19,12 @@ from typing import Literal
 import msgspec
 import torch
 
+from kvtool.engine.dtypes import ELEMENT_BYTES, torch_dtype
 from kvtool.engine.errors import KVRefused
 
 Layout = Literal["block_major", "KV_2LTD"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: torch_dtype(name) for name in ELEMENT_BYTES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -38,7 +39,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return ELEMENT_BYTES[self.dtype]
 
     @property
     def kv_hidden_size(self) -> int:

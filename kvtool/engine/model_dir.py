@@ -25,12 +25,12 @@ from typing import Any
 import blake3
 import msgspec
 
+from kvtool.engine.dtypes import canonical_dtype
 from kvtool.engine.errors import ModelError
 from kvtool.engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -158,7 +158,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
 
     rope_theta, rope_scaling = _parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
-    dtype = _DTYPE_NAMES.get(str(dtype_name).removeprefix("torch."))
+    dtype = canonical_dtype(dtype_name)
     if dtype is None:
         raise ModelError(f"{where}: unsupported dtype {dtype_name!r}")
 

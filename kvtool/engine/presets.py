@@ -28,6 +28,7 @@ import msgspec
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
+from kvtool.engine.dtypes import canonical_dtype
 from kvtool.engine.errors import ConfigError, ModelError
 from kvtool.engine.model_dir import INDEX_FILE, ModelConfig, make_temp_dir_beside, parse_config
 from kvtool.engine.tokenizer import CHATML_TEMPLATE
@@ -35,7 +36,6 @@ from kvtool.engine.tokenizer import CHATML_TEMPLATE
 Progress = Callable[[str, float], None]
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
-_SAVE_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -306,7 +306,7 @@ def write_random_model_dir(
     if config_only:
         return config
 
-    dtype = DTYPES[_SAVE_DTYPES[config.torch_dtype]]
+    dtype = DTYPES[canonical_dtype(config.torch_dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = parameter_shapes(config)
     # Plan shards up front so file names can carry the shard count.

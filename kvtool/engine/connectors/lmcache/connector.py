@@ -39,7 +39,7 @@ from kvtool.engine.connectors.lmcache.wire import (
     tensor_buffer,
 )
 from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
-from kvtool.engine.kv_pages import KVGeometry, refuse_geometry_mismatch
+from kvtool.engine.kv_pages import DTYPES, KVGeometry, refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.lmcache")
 
@@ -248,7 +248,7 @@ class LMCacheWorker(WorkerHalf):
         self.settings = settings
         self.client = client
         self.geometry: KVGeometry = ctx.identity.geometry
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.geometry.dtype]
+        self.dtype = DTYPES[self.geometry.dtype]
         self.pin = ctx.identity.device_type == "cuda"
         self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-get")
