@@ -140,6 +140,14 @@ def test_lmcache_schedule_makes_no_socket_call(make_engine, lmcache_server):
     writer.generate([LONG_PROMPT], GREEDY)
     writer.flush_connector()
     engine = make_engine(kv_transfer_config=config)
+    calls = watch_schedule(engine)
+    result = engine.generate([LONG_PROMPT], GREEDY)[0]
+    assert result.stats.num_external_tokens == 64 and result.stats.num_external_loaded_tokens == 64
+    assert calls == []
+
+
+def watch_schedule(engine) -> list:
+    """Make every engine.scheduler.schedule() record its file and socket calls into the list returned."""
     calls: list = []
     schedule = engine.scheduler.schedule
 
@@ -148,9 +156,7 @@ def test_lmcache_schedule_makes_no_socket_call(make_engine, lmcache_server):
             return schedule()
 
     engine.scheduler.schedule = watched
-    result = engine.generate([LONG_PROMPT], GREEDY)[0]
-    assert result.stats.num_external_tokens == 64 and result.stats.num_external_loaded_tokens == 64
-    assert calls == []
+    return calls
 
 
 @contextlib.contextmanager
@@ -195,14 +201,7 @@ def test_schedule_makes_no_io_call(make_engine, tmp_path, restart):
         engine.reset_prefix_cache()
         engine.step() if engine.has_unfinished_requests() else None
     engine.add_request(PROMPT, GREEDY)
-    calls: list = []
-    schedule = engine.scheduler.schedule
-
-    def watched():
-        with no_io(calls):
-            return schedule()
-
-    engine.scheduler.schedule = watched
+    calls = watch_schedule(engine)
     while engine.has_unfinished_requests():
         engine.step()
     result = engine.pop_result("req-1" if not restart else "req-0")
