@@ -282,8 +282,7 @@ class EngineLoop:
                     for request_id in list(self._tracked):
                         self._abort(request_id)
                 self._stats = msgspec.structs.replace(engine.stats())
-                sched = engine.scheduler
-                self._queues = (len(sched.running), len(sched.waiting))
+                self._queues = (self._stats.num_running, self._stats.num_waiting)
         except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("the engine loop failed; refusing new requests")
             self.error = f"the engine failed: {type(e).__name__}: {e}"
