@@ -36,7 +36,7 @@ def _complete(client: openai.OpenAI, prompt: str) -> tuple[str, int]:
 
 def _counts(server: ServerProcess) -> tuple[float, float]:
     m = server.metrics()
-    return m["kvtool:requests_total"], m["kvtool:prefix_cache_hits_total"]
+    return m["kvtool:requests_total"], m["vllm:prefix_cache_hits_total"]
 
 
 @pytest.fixture(scope="module")
