@@ -134,8 +134,8 @@ def parse_store_url(url: str, environ: dict | None = None) -> StoreAddress:
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         db = _int_field(query.pop("db", "0"), "database", where)
         return StoreAddress(scheme, (), parts.path, db, username, password, query)
-    hosts, slash, tail = hostpart.partition("/")
-    tail, _, query_text = tail.partition("?")
+    hostpart, _, query_text = hostpart.partition("?")
+    hosts, _, tail = hostpart.partition("/")
     query = {k: v[-1] for k, v in parse_qs(query_text).items()}
     nodes = tuple(_host_port(h, where) for h in hosts.split(","))
     if scheme != "redis-cluster" and len(nodes) != 1:
