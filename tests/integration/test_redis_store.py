@@ -374,3 +374,15 @@ def test_password_from_the_environment(make_engine, password_server, monkeypatch
     fill(make_engine, url, [p])
     r = make_engine(kv_transfer_config=store_config(url)).generate([p], GREEDY)[0]
     assert r.stats.num_external_loaded_tokens == 256
+
+
+def test_wrong_password_stops_serve_at_start_up(password_server, tiny_model_dir, cli_env):
+    wrong = "not-the-Pa55word"
+    ktc = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"remote_url": f"redis://:{wrong}@{HOST}:{password_server.port}"}})
+    out = subprocess.run(kvtool_cmd() + ["serve", "--port", "0", "--model", str(tiny_model_dir), "--device", "cpu",
+                                         "--kv-cache-memory", "64M", "--kv-transfer-config", ktc],
+                         env=cli_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "refused the credentials" in out.stderr and wrong not in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
