@@ -22,6 +22,7 @@ import torch
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
+from kvtool.engine.errors import PeerError
 from kvtool.engine.params import SamplingParams
 from kvtool.workloads.redis_server import HOST
 from tests.conftest import kvtool_cmd
@@ -386,3 +387,42 @@ def test_wrong_password_stops_serve_at_start_up(password_server, tiny_model_dir,
     assert out.returncode == 2, out.stderr
     assert "refused the credentials" in out.stderr and wrong not in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+
+
+def test_tls(make_engine, tmp_path):
+    """rediss:// against redis-server's own TLS port, with a certificate made for the test."""
+    from kvtool.workloads.redis_server import RedisServer, free_port
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    tls_port = free_port()
+    server = RedisServer(free_port(), tmp_path / "tls", [
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]).start()
+    try:
+        url = f"rediss://{HOST}:{tls_port}?ssl_ca_certs={cert}"
+        p = prompt(300, 44)
+        ref = make_engine().generate([p], GREEDY)[0]
+        fill(make_engine, url, [p])
+        r = make_engine(kv_transfer_config=store_config(url)).generate([p], GREEDY)[0]
+        assert r.stats.num_external_loaded_tokens == 256 and r.output_token_ids == ref.output_token_ids
+        # Without the CA the server's certificate is not trusted: no store, under the policy.
+        with pytest.raises(PeerError, match="cannot reach the remote store at rediss://"):
+            make_engine(kv_transfer_config=store_config(f"rediss://{HOST}:{tls_port}"))
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("url", ["redis", "redis-cluster", "valkey"])
+def test_store_not_running_at_start(make_engine, url):
+    from kvtool.workloads.redis_server import free_port
+
+    url = f"{url}://{HOST}:{free_port()}"
+    with pytest.raises(PeerError, match=f"cannot reach the remote store at {url}"):
+        make_engine(kv_transfer_config=store_config(url))
+    p = prompt(300, 45)
+    r = make_engine(kv_transfer_config=store_config(url, policy="recompute")).generate([p], GREEDY)[0]
+    assert r.finish_reason == "length" and r.stats.num_external_tokens == 0
+    assert r.output_token_ids == make_engine().generate([p], GREEDY)[0].output_token_ids
