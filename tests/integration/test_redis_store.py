@@ -426,3 +426,18 @@ def test_store_not_running_at_start(make_engine, url):
     r = make_engine(kv_transfer_config=store_config(url, policy="recompute")).generate([p], GREEDY)[0]
     assert r.finish_reason == "length" and r.stats.num_external_tokens == 0
     assert r.output_token_ids == make_engine().generate([p], GREEDY)[0].output_token_ids
+
+
+def test_a_partial_chunk_keeps_its_own_shape(make_engine, redis_server):
+    url = f"redis://{HOST}:{redis_server.port}/5"
+    p = prompt(300, 46)
+    fill(make_engine, url, [p], save_unfull_chunk=True)
+    g = make_engine().kv_pages.geometry
+    hidden = g.num_kv_heads * g.head_dim
+    keys = [c.key for c in make_chunk_keys(p, LMCacheKeySettings(model_name=MODEL_NAME, kv_dtype="float",
+                                                                  chunk_tokens=256, save_unfull_chunk=True))]
+    assert len(keys) == 2
+    db = redis.Redis(host=HOST, port=redis_server.port, db=5)
+    tail = (2, g.num_layers, 300 - 256, hidden)
+    assert db.get(keys[1] + "metadata") == struct.pack("=7i", 4 * torch.Size(tail).numel(), 1, 4, *tail)
+    assert len(db.get(keys[1] + "kv_bytes")) == 4 * torch.Size(tail).numel()
