@@ -298,10 +298,11 @@ def test_slow_store_times_out_under_the_policy(make_engine, redis_server, policy
     p = prompt(300, 40 + (policy == "fail"))
     ref = make_engine().generate([p], GREEDY)[0]
     fill(make_engine, f"redis://{HOST}:{redis_server.port}", [p])
-    proxy = DelayingProxy(redis_server.port, delay_s=3.0)
+    # The deadline is far above a PING's time on a busy machine, the delay far above the deadline.
+    proxy = DelayingProxy(redis_server.port, delay_s=8.0)
     try:
         engine = make_engine(kv_transfer_config=store_config(f"redis://{HOST}:{proxy.port}", policy=policy,
-                                                             timeout_s=0.5))
+                                                             timeout_s=2.0))
         worker = engine.worker_connector
         original = worker.start_load_kv
 
@@ -313,7 +314,7 @@ def test_slow_store_times_out_under_the_policy(make_engine, redis_server, policy
         worker.start_load_kv = slow_then_load
         r = engine.generate([p], GREEDY)[0]
         if policy == "fail":
-            assert r.finish_reason == "error" and "timed out after 0.5 s" in r.error
+            assert r.finish_reason == "error" and "timed out after 2 s" in r.error
         else:
             assert r.output_token_ids == ref.output_token_ids
         engine.close()  # bounded too: the stores' waits all have deadlines
@@ -325,9 +326,9 @@ def test_slow_lookup_computes_instead(make_engine, redis_server):
     p = prompt(300, 42)
     ref = make_engine().generate([p], GREEDY)[0]
     fill(make_engine, f"redis://{HOST}:{redis_server.port}", [p])
-    proxy = DelayingProxy(redis_server.port, delay_s=3.0)
+    proxy = DelayingProxy(redis_server.port, delay_s=8.0)
     try:
-        engine = make_engine(kv_transfer_config=store_config(f"redis://{HOST}:{proxy.port}", timeout_s=0.5))
+        engine = make_engine(kv_transfer_config=store_config(f"redis://{HOST}:{proxy.port}", timeout_s=2.0))
         proxy.slow.set()
         r = engine.generate([p], GREEDY)[0]
         assert r.output_token_ids == ref.output_token_ids and r.stats.num_external_tokens == 0

@@ -85,6 +85,8 @@ def test_connector_settings_check_the_url():
         parse_settings({"remote_url": "valkey://h:1", "save_unfull_chunk": True}, "m", "bfloat16", 16)
     with pytest.raises(ConfigError, match="scheme"):
         parse_settings({"remote_url": "mongodb://h:1"}, "m", "bfloat16", 16)
+    with pytest.raises(ConfigError, match="need a valkey:// remote_url"):
+        parse_settings({"host": "h", "port": 1, "valkey_ttl_sec": 5}, "m", "bfloat16", 16)
 
 
 def test_remote_metadata_is_lmcaches_28_bytes():

@@ -31,7 +31,7 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
-from kvtool.engine.connectors.lmcache.store import RemoteStore, open_store, store_address
+from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, open_store, store_address
 from kvtool.engine.connectors.lmcache.wire import (
     ChunkHeader,
     MemoryFormat,
@@ -92,6 +92,8 @@ def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int)
         if address.scheme == "lm":
             (host, port), = address.nodes
             s = msgspec.structs.replace(s, host=host, port=port)
+    elif s.valkey_enable_ttl or s.valkey_ttl_sec is not None:
+        raise ConfigError("invalid LMCacheConnector config: valkey_enable_ttl / valkey_ttl_sec need a valkey:// remote_url")
     host = s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST
     try:
         port = s.port if s.port is not None else int(os.environ.get("KVTOOL_LMCACHE_PORT") or DEFAULT_PORT)
@@ -413,9 +415,10 @@ class LMCacheConnector(KVConnector):
         )
         assert settings.host is not None and settings.port is not None
         # --- remote store (store.py): each half has its own, the halves share no state, only the store ---
-        address = store_address(settings.remote_url or f"lm://{settings.host}:{settings.port}",
-                                save_unfull_chunk=settings.save_unfull_chunk,
-                                valkey_enable_ttl=settings.valkey_enable_ttl, valkey_ttl_sec=settings.valkey_ttl_sec)
+        address = StoreAddress("lm", ((settings.host, settings.port),))
+        if settings.remote_url and not settings.remote_url.startswith("lm://"):
+            address = store_address(settings.remote_url, save_unfull_chunk=settings.save_unfull_chunk,
+                                    valkey_enable_ttl=settings.valkey_enable_ttl, valkey_ttl_sec=settings.valkey_ttl_sec)
         g = identity.geometry
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[g.dtype]
         full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size), dtype)
