@@ -69,8 +69,9 @@ def test_fill_then_a_new_engine_loads_every_full_chunk(kind, make_engine, reques
     url = urls(request, kind)
     prompts = [prompt(600, 11), prompt(300, 12)]
     ref = make_engine().generate(prompts, GREEDY)
+    # Stores are asynchronous: a request's output may be out before its chunks are confirmed, so
+    # what was stored is proven by what a new engine loads, after the writer's flush.
     filled = fill(make_engine, url, prompts)
-    assert [r.stats.num_external_stored_tokens for r in filled] == [512, 256]
     reader = make_engine(kv_transfer_config=store_config(url))
     again = reader.generate(prompts, GREEDY)
     assert [r.stats.num_external_tokens for r in again] == [512, 256]
