@@ -10,6 +10,9 @@ Built-in arms:
                   a reuse pass, so its CPU tier is empty and hits come from disk
     lmcache       LMCacheConnector on an LMCache server (`lm://HOST:PORT`); the local prefix cache
                   is emptied before a reuse pass, so hits come from the server
+    redis         LMCacheConnector on a redis-server started for the run (`redis://`, LMCache's
+                  RedisConnector layout); hits come from Redis, as for lmcache
+    redis-cluster the same on a three-master Redis Cluster started for the run (`redis-cluster://`)
     hf            Hugging Face transformers on the same weights (`kvtool bench` only)
 
 Any other arm is `NAME=JSON`, a vLLM KVTransferConfig document; it is treated like `cpu`
@@ -34,7 +37,9 @@ from kvtool.engine.connectors.config import KVTransferConfig, parse_kv_transfer_
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.errors import ConfigError
 
-BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "hf")
+BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "redis", "redis-cluster", "hf")
+# Built-in arms whose store is a Redis started for the run (redis_server.py), by name.
+REDIS_ARMS: tuple[str, ...] = ("redis", "redis-cluster")
 REFERENCE_ARM = "none"
 
 # What serves an arm's reuse pass, and so which counter proves its hits ("server": a running
@@ -73,8 +78,10 @@ def lmcache_config(url: str, policy: str = "fail") -> str:
                        "kv_load_failure_policy": policy, "kv_connector_extra_config": {"remote_url": url}})
 
 
-def make_builtin_arm(name: str, *, disk_root: str | Path | None = None, lmcache_url: str | None = None) -> Arm:
-    """The built-in arm `name`. `disk` needs `disk_root`, `lmcache` needs `lmcache_url`."""
+def make_builtin_arm(name: str, *, disk_root: str | Path | None = None, lmcache_url: str | None = None,
+                     store_urls: dict[str, str] | None = None) -> Arm:
+    """The built-in arm `name`. `disk` needs `disk_root`, `lmcache` needs `lmcache_url`, `redis` and
+    `redis-cluster` their URL in `store_urls`."""
     if name == "none":
         return Arm(name=name, enable_prefix_caching=False, reuse="none")
     if name == "prefix-cache":
@@ -90,6 +97,11 @@ def make_builtin_arm(name: str, *, disk_root: str | Path | None = None, lmcache_
         if lmcache_url is None:
             raise ConfigError("the lmcache arm needs --lmcache-url lm://HOST:PORT (or the LMCache peer environment)")
         return Arm(name=name, kv_transfer_config=lmcache_config(lmcache_url), reuse="connector", survives_restart=True)
+    if name in REDIS_ARMS:
+        url = (store_urls or {}).get(name)
+        if url is None:
+            raise ConfigError(f"the {name} arm needs its store's URL")
+        return Arm(name=name, kv_transfer_config=lmcache_config(url), reuse="connector", survives_restart=True)
     if name == "hf":
         return Arm(name=name, reuse="hf")
     raise ConfigError(f"unknown arm {name!r}; built-in arms are {', '.join(BUILTIN_ARMS)}, or give NAME=JSON")
@@ -157,12 +169,21 @@ def open_arms(specs: list[str], *, lmcache_url: str | None = None) -> Iterator[l
 
     The built-in disk arm gets a temporary directory, removed afterwards; the built-in lmcache
     arm gets `lmcache_url`, or an LMCache server started from the peer environment and stopped
-    afterwards (lmcache_server.py). Raises ConfigError for an unknown name or a bad spec.
+    afterwards (lmcache_server.py); the redis and redis-cluster arms get a redis-server, or a
+    three-master Redis Cluster, started on loopback and stopped afterwards (redis_server.py).
+    Raises ConfigError for an unknown name or a bad spec.
     """
     from kvtool.workloads.lmcache_server import lmcache_server
+    from kvtool.workloads.redis_server import redis_cluster, redis_server
 
     names = [s for s in specs if "=" not in s]
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(lmcache_server(lmcache_url)) if "lmcache" in names else lmcache_url
         disk_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtool-disk-tier-")) if "disk" in names else None
-        yield [parse_arm_spec(s) if "=" in s else make_builtin_arm(s, disk_root=disk_root, lmcache_url=url) for s in specs]
+        store_urls = {}
+        if "redis" in names:
+            store_urls["redis"] = f"redis://127.0.0.1:{stack.enter_context(redis_server()).port}"
+        if "redis-cluster" in names:
+            store_urls["redis-cluster"] = stack.enter_context(redis_cluster()).url
+        yield [parse_arm_spec(s) if "=" in s else
+               make_builtin_arm(s, disk_root=disk_root, lmcache_url=url, store_urls=store_urls) for s in specs]

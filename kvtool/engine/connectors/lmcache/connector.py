@@ -1,4 +1,5 @@
-"""LMCacheConnector: KV chunks in a remote LMCache server over the lm:// wire.
+"""LMCacheConnector: KV chunks in a remote store: LMCache's server over the lm:// wire, or Redis,
+Redis Cluster or Valkey in LMCache's layouts (store.py picks one by `remote_url`).
 
 Keys are LMCache's own (ChunkedTokenDatabase rules, keys.py), so a Python vLLM + LMCache peer
 and kvtool find each other's chunks. Chunk bytes are KV_2LTD `[2, L, tokens, kv_heads*head_dim]`,
@@ -30,12 +31,11 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
+from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, open_store, store_address
 from kvtool.engine.connectors.lmcache.wire import (
     ChunkHeader,
-    LMClient,
     MemoryFormat,
     kv_chunk_header,
-    parse_lm_url,
     tensor_buffer,
 )
 from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
@@ -52,7 +52,9 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     host: str | None = None  # default KVTOOL_LMCACHE_HOST or 127.0.0.1
     port: int | None = None  # default KVTOOL_LMCACHE_PORT or 65432
-    remote_url: str | None = None  # lm://HOST:PORT, an alternative to host/port
+    # lm://HOST:PORT (an alternative to host/port), redis://, rediss://, unix://, redis-cluster://,
+    # valkey:// (store.py parses and checks it)
+    remote_url: str | None = None
     hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
     chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
     model_name: str | None = None  # default the --model string, as vLLM puts it in the key
@@ -64,6 +66,8 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; unset = vLLM >= 0.29's default
     connections: int = 4
     timeout_s: float = 10.0
+    valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
+    valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
 
 
 # vLLM + LMCache spell some of these as lmcache.* keys.
@@ -82,8 +86,14 @@ def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid LMCacheConnector config: {e}") from None
     if s.remote_url:
-        host, port = parse_lm_url(s.remote_url)
-        s = msgspec.structs.replace(s, host=host, port=port)
+        # --- remote store (store.py): every scheme is checked here, lm:// also fills host/port ---
+        address = store_address(s.remote_url, save_unfull_chunk=s.save_unfull_chunk,
+                                valkey_enable_ttl=s.valkey_enable_ttl, valkey_ttl_sec=s.valkey_ttl_sec)
+        if address.scheme == "lm":
+            (host, port), = address.nodes
+            s = msgspec.structs.replace(s, host=host, port=port)
+    elif s.valkey_enable_ttl or s.valkey_ttl_sec is not None:
+        raise ConfigError("invalid LMCacheConnector config: valkey_enable_ttl / valkey_ttl_sec need a valkey:// remote_url")
     host = s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST
     try:
         port = s.port if s.port is not None else int(os.environ.get("KVTOOL_LMCACHE_PORT") or DEFAULT_PORT)
@@ -133,7 +143,7 @@ def _request_keys(request, key_settings: LMCacheKeySettings):
 
 
 class LMCacheScheduler(SchedulerHalf):
-    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, key_settings: LMCacheKeySettings, client: LMClient) -> None:
+    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, key_settings: LMCacheKeySettings, client: RemoteStore) -> None:
         super().__init__(ctx)
         self.settings = settings
         self.key_settings = key_settings
@@ -243,7 +253,7 @@ class LMCacheScheduler(SchedulerHalf):
 
 
 class LMCacheWorker(WorkerHalf):
-    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, client: LMClient) -> None:
+    def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, client: RemoteStore) -> None:
         super().__init__(ctx)
         self.settings = settings
         self.client = client
@@ -317,7 +327,7 @@ class LMCacheWorker(WorkerHalf):
         n = job.end - job.start
         try:
             if result is None:
-                raise KVRefused(f"chunk {job.key} is no longer on the LMCache server (was it restarted?)")
+                raise KVRefused(f"chunk {job.key} is no longer in {self.client.url} (was it restarted or evicted?)")
             if isinstance(result, KVToolError):
                 raise result
             self._refuse_reply(result, job)
@@ -404,7 +414,10 @@ class LMCacheConnector(KVConnector):
 
     @classmethod
     def hit_source(cls, config, rebuilt: bool) -> str:
-        return "lmcache"
+        url = str(config.extra("remote_url") or config.extra("lmcache.remote_url") or "")
+        scheme = url.partition("://")[0] if "://" in url else "lm"
+        return {"redis": "redis", "rediss": "redis", "unix": "redis", "redis-cluster": "redis-cluster",
+                "valkey": "valkey"}.get(scheme, "lmcache")
 
     @staticmethod
     def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:
@@ -415,24 +428,40 @@ class LMCacheConnector(KVConnector):
         assert settings.host is not None and settings.port is not None
         return settings, key_settings
 
+    # --- remote store (store.py): each half opens its own; the halves share no state, only the store ---
+
+    @staticmethod
+    def _open_store(ctx: ConnectorContext, settings: LMCacheSettings, connections: int) -> RemoteStore:
+        address = StoreAddress("lm", ((settings.host, settings.port),))
+        if settings.remote_url and not settings.remote_url.startswith("lm://"):
+            address = store_address(settings.remote_url, save_unfull_chunk=settings.save_unfull_chunk,
+                                    valkey_enable_ttl=settings.valkey_enable_ttl, valkey_ttl_sec=settings.valkey_ttl_sec)
+        g = ctx.identity.geometry
+        full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size), DTYPES[g.dtype])
+        return open_store(address, connections=connections, timeout_s=settings.timeout_s, chunk_header=full_chunk,
+                          valkey_ttl_s=address.ttl_s)
+
     @classmethod
     def create_scheduler_half(cls, ctx: ConnectorContext) -> LMCacheScheduler:
-        # Each half has its own client: the halves share no state, only the server.
         settings, key_settings = cls._settings(ctx)
-        lookup_client = LMClient(settings.host, settings.port, connections=1, timeout_s=settings.timeout_s)
-        if not lookup_client.health():
-            where = f"lm://{settings.host}:{settings.port}"
+        lookup_client = cls._open_store(ctx, settings, 1)
+        name = "LMCache server" if lookup_client.url.startswith("lm://") else "remote store"
+        try:
+            healthy = lookup_client.health()  # raises ConfigError for refused credentials
+        except KVToolError:
+            lookup_client.close()
+            raise
+        if not healthy:
             if ctx.config.kv_load_failure_policy == "fail":
                 lookup_client.close()
                 raise PeerError(
-                    f"cannot reach the LMCache server at {where}; start it or use "
+                    f"cannot reach the {name} at {lookup_client.url}; start it or use "
                     '"kv_load_failure_policy": "recompute" to run without it'
                 )
-            logger.warning("LMCache server at %s is not reachable; prompts are computed until it is", where)
+            logger.warning("%s at %s is not reachable; prompts are computed until it is", name, lookup_client.url)
         return LMCacheScheduler(ctx, settings, key_settings, lookup_client)
 
     @classmethod
     def create_worker_half(cls, ctx: ConnectorContext) -> LMCacheWorker:
         settings, _ = cls._settings(ctx)
-        worker_client = LMClient(settings.host, settings.port, connections=settings.connections, timeout_s=settings.timeout_s)
-        return LMCacheWorker(ctx, settings, worker_client)
+        return LMCacheWorker(ctx, settings, cls._open_store(ctx, settings, settings.connections))

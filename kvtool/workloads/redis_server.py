@@ -1,0 +1,189 @@
+"""Real `redis-server` processes on loopback: one server, or a three-master Redis Cluster.
+
+Used by the `redis` and `redis-cluster` arms of `kvtool replay` / `kvtool bench` (and by the
+tests). `redis-server` and `redis-cli` are found on PATH (Debian's `redis-server` package; the
+install script adds it for the tests). Servers run in the foreground with no persistence
+(`--save '' --appendonly no`) in a temporary directory, bound to 127.0.0.1 on free ports, and are
+stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvtool.engine.errors import ConfigError, PeerError
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 30.0
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    """The path of `name` on PATH. Raises ConfigError naming the package when it is missing."""
+    path = shutil.which(name)
+    if path is None:
+        raise ConfigError(f"{name} is not on PATH; install Redis (Debian: apt-get install redis-server)")
+    return path
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node, one whose bus port (port + 10000) is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port + CLUSTER_BUS_OFFSET < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind((HOST, port + CLUSTER_BUS_OFFSET))
+                    return port
+                except OSError:
+                    continue
+    raise PeerError("no free loopback port for a Redis cluster node")
+
+
+def ping(port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a Redis server answers on `port` (a NOAUTH error counts: it is up, with a password)."""
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout_s) as s:
+            s.sendall(b"PING\r\n")
+            reply = s.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+
+class RedisServer:
+    """One `redis-server` in the foreground, on 127.0.0.1:`port`, with `extra` arguments."""
+
+    def __init__(self, port: int, workdir: Path, extra: Sequence[str] = ()) -> None:
+        self.port = port
+        self.workdir = workdir
+        self.extra = list(extra)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / f"redis-{port}.log"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server is not running"
+        return self.proc.pid
+
+    def start(self) -> RedisServer:
+        """Start it and wait until it answers PING. Raises PeerError when it does not."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [redis_binary(), "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--daemonize", "no", *self.extra]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ping(self.port):
+            if self.proc.poll() is not None:
+                raise PeerError(f"redis-server exited with status {self.proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise PeerError(f"redis-server did not answer PING within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop it by PID and wait. Idempotent."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def restart_empty(self) -> None:
+        """Kill it hard (as a crash would) and start it again on its port: it holds nothing."""
+        self.stop(signal.SIGKILL)
+        self.start()
+
+    def log_tail(self, num_bytes: int = 2000) -> str:
+        data = self.log_path.read_bytes() if self.log_path.exists() else b""
+        return data[-num_bytes:].decode(errors="replace").strip()
+
+
+class RedisClusterProcesses:
+    """`num_masters` cluster-enabled servers joined by `redis-cli --cluster create`, no replicas."""
+
+    def __init__(self, workdir: Path, num_masters: int = 3, node_timeout_ms: int = 2000) -> None:
+        self.workdir = workdir
+        self.nodes: list[RedisServer] = []
+        for _ in range(num_masters):
+            port = free_port(cluster=True)
+            extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]
+            self.nodes.append(RedisServer(port, workdir / f"node-{port}", extra))
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"{HOST}:{n.port}" for n in self.nodes)
+
+    def start(self) -> RedisClusterProcesses:
+        """Start the nodes, create the cluster, and wait until every node reports it ok."""
+        try:
+            for node in self.nodes:
+                node.start()
+            addresses = [f"{HOST}:{n.port}" for n in self.nodes]
+            out = subprocess.run([redis_binary("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas",
+                                  "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise PeerError(f"redis-cli --cluster create failed: {(out.stdout + out.stderr).strip()[-2000:]}")
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not all(self._cluster_ok(n.port) for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise PeerError(f"the Redis cluster was not ok within {START_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _cluster_ok(port: int) -> bool:
+        out = subprocess.run([redis_binary("redis-cli"), "-h", HOST, "-p", str(port), "cluster", "info"],
+                             capture_output=True, text=True, timeout=10)
+        return "cluster_state:ok" in out.stdout
+
+    def stop(self) -> None:
+        """Stop every node by PID. Idempotent."""
+        for node in self.nodes:
+            node.stop()
+
+
+@contextlib.contextmanager
+def redis_server(extra: Sequence[str] = ()) -> Iterator[RedisServer]:
+    """A running redis-server on a free loopback port, stopped (and its directory removed) after."""
+    with tempfile.TemporaryDirectory(prefix="kvtool-redis-") as tmp:
+        server = RedisServer(free_port(), Path(tmp), extra).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(num_masters: int = 3) -> Iterator[RedisClusterProcesses]:
+    """A running `num_masters`-master Redis Cluster on loopback, stopped after."""
+    with tempfile.TemporaryDirectory(prefix="kvtool-redis-cluster-") as tmp:
+        cluster = RedisClusterProcesses(Path(tmp), num_masters).start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
