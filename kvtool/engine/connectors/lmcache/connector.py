@@ -31,7 +31,8 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
-from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, open_store, store_address
+from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, store_address
+from kvtool.engine.connectors.lmcache.store_factory import open_store
 from kvtool.engine.connectors.lmcache.wire import (
     ChunkHeader,
     MemoryFormat,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, Union
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvtool.engine.connectors.lmcache.wire import ChunkHeader, LMClient
+from kvtool.engine.connectors.lmcache.wire import ChunkHeader
 from kvtool.engine.errors import ConfigError, KVToolError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -180,40 +180,6 @@ def store_address(
     if not valkey_enable_ttl:
         return address
     return replace(address, ttl_s=valkey_ttl_sec if valkey_ttl_sec is not None else DEFAULT_VALKEY_TTL_S)
-
-
-def open_store(
-    address: StoreAddress,
-    *,
-    connections: int,
-    timeout_s: float,
-    chunk_header: ChunkHeader,
-    valkey_ttl_s: int | None = None,
-) -> RemoteStore:
-    """A store for `address`, connected lazily (nothing is sent until the first call).
-
-    Args:
-        connections: how many requests may be in flight at once.
-        timeout_s: the deadline of each operation (one lookup, one chunk's load or store).
-        chunk_header: a full chunk as the engine's pages hold it; the valkey:// layout stores
-            no metadata, so a value is a chunk only if it has exactly this size.
-        valkey_ttl_s: expiry of every key a valkey:// store writes; None keeps keys forever.
-    """
-    if connections < 1:
-        raise ConfigError(f"remote store connections must be >= 1, got {connections}")
-    if timeout_s <= 0:
-        raise ConfigError(f"remote store timeout_s must be > 0, got {timeout_s}")
-    if address.scheme == "lm":
-        (host, port), = address.nodes
-        return LMClient(host, port, connections=connections, timeout_s=timeout_s)
-    if address.scheme == "valkey":
-        from kvtool.engine.connectors.lmcache.valkey_store import ValkeyStore
-
-        return ValkeyStore(address, connections=connections, timeout_s=timeout_s, chunk_header=chunk_header,
-                           ttl_s=valkey_ttl_s)
-    from kvtool.engine.connectors.lmcache.redis_store import RedisStore
-
-    return RedisStore(address, connections=connections, timeout_s=timeout_s)
 
 
 def _userinfo(text: str) -> tuple[str | None, str | None]:
