@@ -66,6 +66,9 @@ BlockProblem = Literal[
     "foreign_identity",  # written under a different engine config
     "size_mismatch",  # payload length differs from the destination buffer
     "missing",  # the file vanished (evicted by another process)
+    "not_regular",  # a symbolic link, directory, FIFO, socket or device where a file belongs
+    "unreadable",  # permission denied (or another I/O error) opening or reading it
+    "sparse",  # has holes: its size claims bytes that were never written
 ]
 
 
