@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,6 +29,12 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
+from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-exported)
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    LMCacheSettings,
+    parse_settings,
+)
 from kvtool.engine.connectors.lmcache.wire import (
     ChunkHeader,
     LMClient,
@@ -42,73 +47,6 @@ from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
 from kvtool.engine.kv_pages import KVGeometry, refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.lmcache")
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 65432
-
-
-class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """kv_connector_extra_config of the LMCacheConnector."""
-
-    host: str | None = None  # default KVTOOL_LMCACHE_HOST or 127.0.0.1
-    port: int | None = None  # default KVTOOL_LMCACHE_PORT or 65432
-    remote_url: str | None = None  # lm://HOST:PORT, an alternative to host/port
-    hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
-    chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
-    model_name: str | None = None  # default the --model string, as vLLM puts it in the key
-    world_size: int = 1
-    worker_id: int = 0
-    kv_dtype: str | None = None  # default the engine's KV dtype
-    offload_prompt_only: bool = True
-    save_unfull_chunk: bool = False
-    none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; unset = vLLM >= 0.29's default
-    connections: int = 4
-    timeout_s: float = 10.0
-
-
-# vLLM + LMCache spell some of these as lmcache.* keys.
-_ALIASES = {
-    "lmcache.remote_url": "remote_url",
-    "lmcache.chunk_size": "chunk_tokens",
-    "lmcache.pre_caching_hash_algorithm": "hash_algo",
-    "lmcache.save_unfull_chunk": "save_unfull_chunk",
-}
-
-
-def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int) -> tuple[LMCacheSettings, LMCacheKeySettings]:
-    doc = {_ALIASES.get(k, k): v for k, v in extra.items()}
-    try:
-        s = msgspec.convert(doc, LMCacheSettings)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid LMCacheConnector config: {e}") from None
-    if s.remote_url:
-        host, port = parse_lm_url(s.remote_url)
-        s = msgspec.structs.replace(s, host=host, port=port)
-    host = s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST
-    try:
-        port = s.port if s.port is not None else int(os.environ.get("KVTOOL_LMCACHE_PORT") or DEFAULT_PORT)
-    except ValueError:
-        raise ConfigError("KVTOOL_LMCACHE_PORT is not a port number") from None
-    algo = "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
-    chunk = s.chunk_tokens or (block_size if algo == "blake3" else 256)
-    if chunk % block_size:
-        raise ConfigError(
-            f"invalid LMCacheConnector config: chunk_tokens {chunk} is not a multiple of the block size {block_size}"
-        )
-    if s.connections < 1:
-        raise ConfigError("invalid LMCacheConnector config: connections must be >= 1")
-    key_settings = LMCacheKeySettings(
-        model_name=s.model_name or model_name,
-        world_size=s.world_size,
-        worker_id=s.worker_id,
-        kv_dtype=s.kv_dtype or kv_dtype,
-        chunk_tokens=chunk,
-        hash_algo=algo,
-        none_hash_seed=s.none_hash_seed,
-        save_unfull_chunk=s.save_unfull_chunk,
-    )
-    return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings
-
 
 class ChunkJob(msgspec.Struct, kw_only=True):
     request_id: str

@@ -163,14 +163,19 @@ def parse_lm_url(url: str) -> tuple[str, int]:
     Raises:
         ConfigError: not an lm:// URL, or the host or port is missing or invalid.
     """
-    parsed = urlparse(url)
+    shown = url if len(url) <= 60 else url[:57] + "..."
     try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme != "lm" or not parsed.hostname or port is None:
-        raise ConfigError(f"{url!r} is not an lm://HOST:PORT URL")
-    return parsed.hostname, port
+        parsed = urlparse(url)
+        host, port = parsed.hostname, parsed.port
+    except ValueError:  # a bad IPv6 literal, a port out of range or not a number
+        host = port = None
+    if parsed_scheme(url) != "lm" or not host or port is None or not 1 <= port <= 65535:
+        raise ConfigError(f"{shown!r} is not an lm://HOST:PORT URL (port 1 to 65535)")
+    return host, port
+
+
+def parsed_scheme(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else ""
 
 
 def encode_key(key: str) -> bytes:
