@@ -231,6 +231,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
+        if self.scheduler_connector is not None:
+            self.scheduler_connector.check_request(req)
         self._requests[rid] = req
         self.scheduler.add_request(req)
         return rid

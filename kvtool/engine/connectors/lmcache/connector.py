@@ -28,7 +28,12 @@ from kvtool.engine.connectors.base import (
     SchedulerHalf,
     WorkerHalf,
 )
-from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
+from kvtool.engine.connectors.lmcache.keys import (
+    LMCacheKeySettings,
+    check_request_tags,
+    make_chunk_keys,
+    tags_from_request_configs,
+)
 from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-exported)
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -62,15 +67,36 @@ class LMCacheMetadata(KVConnectorMetadata):
     stores: list[ChunkJob] = []
 
 
-def _request_keys(request, key_settings: LMCacheKeySettings):
+def _request_tags(request) -> dict[str, str]:
     tags = tags_from_request_configs(request.kv_transfer_params)
     if request.cache_salt:
         # LMCache's isolation tag for vLLM's cache_salt (a digest, never the salt itself).
         tags["cachesalt"] = hashlib.sha256(request.cache_salt.encode()).hexdigest()[:16]
+    return tags
+
+
+def _request_keys(request, key_settings: LMCacheKeySettings):
+    tags = _request_tags(request)
     return make_chunk_keys(request.prompt_token_ids, key_settings, tags=tags or None)
 
 
+class _Lookup(msgspec.Struct):
+    """An EXIST lookup running on the lookup thread for one request."""
+
+    num_computed_tokens: int  # the local hit it was asked with
+    first: int  # index of the first chunk asked about
+    future: Future
+    started_s: float  # time.monotonic()
+
+
 class LMCacheScheduler(SchedulerHalf):
+    """Plans loads and stores; its EXIST lookups run on a thread of their own.
+
+    The engine loop never waits on the server: a request whose lookup is in flight is
+    answered "ask again later" (None) and skipped for that step; a lookup that takes more than
+    `lookup_timeout_s` is given up on and the request runs without the hit.
+    """
+
     def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, key_settings: LMCacheKeySettings, client: LMClient) -> None:
         super().__init__(ctx)
         self.settings = settings
@@ -81,6 +107,8 @@ class LMCacheScheduler(SchedulerHalf):
         self.keys: dict[str, list] = {}
         # request id -> (local hit it was asked with, matched tokens); lookups hit the network once.
         self.lookups: dict[str, tuple[int, int]] = {}
+        self.inflight_lookups: dict[str, _Lookup] = {}
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-lookup")
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
         self.pending_loads: list[ChunkJob] = []
@@ -91,30 +119,56 @@ class LMCacheScheduler(SchedulerHalf):
             keys = self.keys[request.request_id] = _request_keys(request, self.key_settings)
         return keys
 
+    def check_request(self, request) -> None:
+        """Refuse (InputError) a request whose LMCache tags the server could not key."""
+        check_request_tags(_request_tags(request), self.key_settings)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
             return 0, False
-        cached = self.lookups.get(request.request_id)
+        rid = request.request_id
+        cached = self.lookups.get(rid)
         if cached is not None and cached[0] == num_computed_tokens:
             return cached[1], False
         keys = self._keys(request)
         first = num_computed_tokens // self.cs
         # Whole chunks that end before the last prompt token (one token is always computed).
         last = min((request.num_tokens - 1) // self.cs, len(keys))
-        matched = 0
-        if last > first:
+        if last <= first:
+            self.lookups[rid] = (num_computed_tokens, 0)
+            return 0, False
+        lookup = self.inflight_lookups.get(rid)
+        if lookup is None or lookup.num_computed_tokens != num_computed_tokens:
+            wanted = [k.key for k in keys[first:last] if k.end - k.start == self.cs]
             try:
-                present = self.client.exist_many([k.key for k in keys[first:last] if k.end - k.start == self.cs])
-            except PeerError as e:
-                logger.warning("LMCache lookup failed, computing instead: %s", e)
-                present = []
-            n = 0
-            for hit in present:
-                if not hit:
-                    break
-                n += 1
-            matched = max(0, (first + n) * self.cs - num_computed_tokens)
-        self.lookups[request.request_id] = (num_computed_tokens, matched)
+                future = self._lookup_pool.submit(self.client.exist_many, wanted)
+            except RuntimeError:  # shut down
+                return 0, False
+            self.inflight_lookups[rid] = _Lookup(num_computed_tokens, first, future, time.monotonic())
+            return None, False
+        if not lookup.future.done():
+            if time.monotonic() - lookup.started_s < self.settings.lookup_timeout_s:
+                return None, False
+            logger.warning(
+                "LMCache lookup of request %s took over %g s; computing it instead",
+                rid, self.settings.lookup_timeout_s,
+            )
+            return self._settle(rid, num_computed_tokens, 0)
+        try:
+            present = lookup.future.result()
+        except PeerError as e:
+            logger.warning("LMCache lookup failed, computing instead: %s", e)
+            present = []
+        n = 0
+        for hit in present:
+            if not hit:
+                break
+            n += 1
+        return self._settle(rid, num_computed_tokens, max(0, (lookup.first + n) * self.cs - num_computed_tokens))
+
+    def _settle(self, rid: str, num_computed_tokens: int, matched: int) -> tuple[int, bool]:
+        self.inflight_lookups.pop(rid, None)
+        self.lookups[rid] = (num_computed_tokens, matched)
         return matched, False
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -172,12 +226,14 @@ class LMCacheScheduler(SchedulerHalf):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
-        for d in (self.keys, self.lookups, self.requests, self.next_store):
+        for d in (self.keys, self.lookups, self.requests, self.next_store, self.inflight_lookups):
             d.pop(rid, None)
         return False, None
 
     def shutdown(self) -> None:
+        # Closing the client first ends a lookup in flight at once, whatever the server does.
         self.client.close()
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class LMCacheWorker(WorkerHalf):
@@ -343,7 +399,8 @@ class LMCacheConnector(KVConnector):
         )
         assert settings.host is not None and settings.port is not None
         # Each half has its own client: the halves share no state, only the server.
-        lookup_client = LMClient(settings.host, settings.port, connections=1, timeout_s=settings.timeout_s)
+        lookup_client = LMClient(settings.host, settings.port, connections=1, timeout_s=settings.timeout_s,
+                                 backoff_s=settings.peer_backoff_s)
         if not lookup_client.health():
             where = f"lm://{settings.host}:{settings.port}"
             if ctx.config.kv_load_failure_policy == "fail":
@@ -353,7 +410,8 @@ class LMCacheConnector(KVConnector):
                     '"kv_load_failure_policy": "recompute" to run without it'
                 )
             logger.warning("LMCache server at %s is not reachable; prompts are computed until it is", where)
-        worker_client = LMClient(settings.host, settings.port, connections=settings.connections, timeout_s=settings.timeout_s)
+        worker_client = LMClient(settings.host, settings.port, connections=settings.connections,
+                                 timeout_s=settings.timeout_s, backoff_s=settings.peer_backoff_s)
         return (
             LMCacheScheduler(ctx, settings, key_settings, lookup_client),
             LMCacheWorker(ctx, settings, worker_client),
