@@ -34,6 +34,15 @@ from kvtool.engine.connectors.lmcache.keys import (
     make_chunk_keys,
     tags_from_request_configs,
 )
+from kvtool.engine.connectors.lmcache.payload_digest import (
+    DIGEST_BYTES,
+    DIGEST_HEADER,
+    DIGEST_TAG,
+    digest_key,
+    payload_digest,
+    payload_secret,
+    refuse_payload,
+)
 from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-exported)
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -121,7 +130,10 @@ class LMCacheScheduler(SchedulerHalf):
 
     def check_request(self, request) -> None:
         """Refuse (InputError) a request whose LMCache tags the server could not key."""
-        check_request_tags(_request_tags(request), self.key_settings)
+        tags = _request_tags(request)
+        if self.settings.verify_payload:
+            tags[DIGEST_TAG[0]] = DIGEST_TAG[1]  # the digest's key is the chunk's plus this tag
+        check_request_tags(tags, self.key_settings)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
@@ -249,6 +261,8 @@ class LMCacheWorker(WorkerHalf):
         self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
         self.chunk_tokens = settings.chunk_tokens
         self.pending_puts: list[Future] = []
+        self.verify_payload = settings.verify_payload
+        self._secret = payload_secret() if settings.verify_payload else None
 
     def _ensure_pool(self, n: int) -> None:
         """Host buffers [2, L, chunk_tokens, H*D] for n chunks, allocated once and reused.
@@ -274,6 +288,7 @@ class LMCacheWorker(WorkerHalf):
         # GETs stream in over the pool's connections into a ring of host buffers, while this
         # thread scatters each chunk into the pages as soon as it has arrived; chunk i reuses
         # the buffer of chunk i - ring once that one is in the pages, so host memory is bounded.
+        digests = self._fetch_digests(loads) if self.verify_payload else None
         ring = min(len(loads), max(16, 4 * self.settings.connections))
         self._ensure_pool(ring)
         items = [(j.key, tensor_buffer(self._pool[i % ring]), None) for i, j in enumerate(loads)]
@@ -299,14 +314,21 @@ class LMCacheWorker(WorkerHalf):
                     except queue.Empty:
                         if fetch.done():
                             fetch.result()  # re-raises what stopped the fetch before all items ended
-                self._load_one(loads[i], self._pool[i % ring], result)
+                self._load_one(loads[i], self._pool[i % ring], result, None if digests is None else digests[i])
                 scattered[i].set()
             fetch.result()
         finally:
             aborted.set()
         self.stats.load_s += time.perf_counter() - t0
 
-    def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result) -> None:
+    def _fetch_digests(self, loads: list[ChunkJob]) -> list[tuple[object, memoryview]]:
+        """The payload digest of each chunk to load (verify_payload), fetched before the chunks."""
+        store = memoryview(bytearray(DIGEST_BYTES * len(loads)))
+        views = [store[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(len(loads))]
+        found = self.client.get_many_into([(digest_key(j.key), v, None) for j, v in zip(loads, views)])
+        return list(zip(found, views))
+
+    def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result, digest=None) -> None:
         bs = self.geometry.block_size
         n = job.end - job.start
         try:
@@ -318,6 +340,8 @@ class LMCacheWorker(WorkerHalf):
             # The bytes arrived as a contiguous [2, L, n, H*D] at the head of the pooled buffer.
             buf = pooled.reshape(-1)[: 2 * self.geometry.num_layers * n * self.geometry.kv_hidden_size]
             buf = buf.view(2, self.geometry.num_layers, n, self.geometry.kv_hidden_size)
+            if digest is not None:
+                refuse_payload(job.key, tensor_buffer(buf), digest[0], digest[1], self._secret)
             # Only the tokens beyond the local hit; that hit is block-aligned.
             first_block = job.skip // bs
             self.kv_pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", n - job.skip)
@@ -367,6 +391,12 @@ class LMCacheWorker(WorkerHalf):
         t0 = time.perf_counter()
         batch = [(job.key, tensor_buffer(buf), self._expected(job.end - job.start)) for job, buf in items]
         ok = self.client.put_many(batch)
+        if self.verify_payload:
+            # After the chunk: a reader that finds a chunk without its digest refuses it.
+            digests = [(digest_key(key), payload_digest(key, view, self._secret), DIGEST_HEADER)
+                       for (key, view, _), stored in zip(batch, ok) if stored]
+            stored_digests = iter(self.client.put_many(digests))
+            ok = [stored and next(stored_digests) for stored in ok]
         with self._stats_lock:
             for (job, buf), stored in zip(items, ok):
                 if stored:

@@ -8,9 +8,10 @@ import re
 import msgspec
 
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
-from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings
+from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings, check_request_tags
+from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
 from kvtool.engine.connectors.lmcache.wire import parse_lm_url
-from kvtool.engine.errors import ConfigError
+from kvtool.engine.errors import ConfigError, InputError
 
 CONNECTOR = "LMCacheConnector"
 DEFAULT_HOST = "127.0.0.1"
@@ -119,4 +120,9 @@ def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int)
         none_hash_seed=s.none_hash_seed,
         save_unfull_chunk=s.save_unfull_chunk,
     )
+    if s.verify_payload:
+        try:  # the digest's key is the chunk's with one more tag: the longest must still fit
+            check_request_tags({DIGEST_TAG[0]: DIGEST_TAG[1]}, key_settings)
+        except InputError as e:
+            raise ConfigError(f"{where}: verify_payload: {e}") from None
     return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings
