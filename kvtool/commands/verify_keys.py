@@ -406,9 +406,6 @@ def verify_keys(
         if not sequences[0]:
             raise InputError("--prompt gives no tokens")
     ours = [make_chunk_keys(seq, settings) for seq in sequences]
-    for seq, chunks in zip(sequences, ours):
-        if not chunks:
-            render.info(short_sequence_hint(len(seq), settings))
 
     comparison = None
     if against_lmcache:
@@ -429,6 +426,9 @@ def verify_keys(
                 raise ConfigError(f"--peer unreachable: {e}") from None
 
     rows = build_rows(ours, comparison, probes)
+    for seq, chunks in zip(sequences, ours):
+        if not chunks:
+            render.info(short_sequence_hint(len(seq), settings))
     if probes is not None and rows and not any(r.present for r in rows):
         render.info(peer_miss_hint(len(rows), peer, settings))
     if json_out:

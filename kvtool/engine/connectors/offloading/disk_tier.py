@@ -198,6 +198,8 @@ class DiskTier:
         # errnos already warned about: a full disk fails every write, one line is enough.
         self._warned_errnos: set[int | None] = set()
         self._kv_fd = self._ledger_fd = -1
+        if "\0" in str(root_dir):
+            raise ConfigError("disk tier root_dir contains a NUL character")
         try:
             self.root_dir.mkdir(parents=True, exist_ok=True)
             root_fd = open_root_dir(self.root_dir)

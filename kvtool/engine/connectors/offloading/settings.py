@@ -32,6 +32,8 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
              doc="the KV-cache group; this engine has one"),
     ExtraKey(name="layerwise", kind="bool", default=False,
              doc="on CUDA, load and save layer by layer during the forward"),
+    # vLLM's name of the offloading spec; kvtool implements the CPU (+ disk) one.
+    ExtraKey(name="spec_name", kind="choice", default="CPUOffloadingSpec", choices=("CPUOffloadingSpec",)),
 )
 
 
@@ -49,6 +51,7 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # kvtool's key: on CUDA, load and save layer by layer during the forward when the device can
     # address the pinned pool (a step's save goes layer by layer from LAYERWISE_MIN_BLOCKS blocks).
     layerwise: bool = False
+    spec_name: str = "CPUOffloadingSpec"
 
 
 def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int | None = None) -> OffloadingSettings:
