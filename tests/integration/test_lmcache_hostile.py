@@ -100,6 +100,21 @@ def test_client_deadline_covers_the_whole_operation(tmp_path):
         assert requests_seen(log, "HEALTH") == 1 and requests_seen(log, "EXIST") == 0
 
 
+def test_each_trickled_operation_ends_at_its_deadline(tmp_path):
+    with broken_server(tmp_path, "trickle") as (port, log):
+        client = LMClient("127.0.0.1", port, connections=1, timeout_s=1.0, backoff_s=0)
+        key = "m@1@0@1@half"
+        for call in (
+            lambda: client.exists(key),
+            lambda: client.get_into(key, bytearray(16)),
+            lambda: client.put(key, b"\0" * 16, 1, 4, (2, 1, 1, 2)),  # its confirming EXIST trickles
+        ):
+            with pytest.raises(PeerError, match="timed out"):
+                guarded(call)
+        guarded(client.close)
+        assert [requests_seen(log, c) for c in ("EXIST", "GET", "PUT")] == [2, 1, 1]
+
+
 @pytest.mark.parametrize("mode", ["trickle-get", "lie"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_load_that_trickles_or_lies_ends_under_the_policy(make_engine, tmp_path, mode, policy):

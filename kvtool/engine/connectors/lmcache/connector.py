@@ -168,7 +168,7 @@ class LMCacheScheduler(SchedulerHalf):
             return self._settle(rid, num_computed_tokens, 0)
         try:
             present = lookup.future.result()
-        except PeerError as e:
+        except KVToolError as e:
             logger.warning("LMCache lookup failed, computing instead: %s", e)
             present = []
         n = 0
