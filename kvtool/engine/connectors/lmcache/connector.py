@@ -54,10 +54,9 @@ from kvtool.engine.connectors.lmcache.wire import (
     LMClient,
     MemoryFormat,
     kv_chunk_header,
-    parse_lm_url,
     tensor_buffer,
 )
-from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
+from kvtool.engine.errors import KVRefused, KVToolError, PeerError
 from kvtool.engine.kv_pages import KVGeometry, refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.lmcache")

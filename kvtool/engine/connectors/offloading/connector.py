@@ -30,7 +30,7 @@ from kvtool.engine.connectors.offloading.disk_tier import DiskTier
 from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity
 from kvtool.engine.connectors.offloading.settings import OffloadingSettings, parse_settings  # noqa: F401
 from kvtool.engine.connectors.offloading.transfers import SlotTransfers
-from kvtool.engine.errors import ConfigError, KVRefused
+from kvtool.engine.errors import KVRefused
 from kvtool.engine.kv_pages import refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.offloading")
