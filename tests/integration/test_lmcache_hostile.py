@@ -182,7 +182,8 @@ def test_serve_answers_other_requests_while_a_lookup_trickles(tiny_model_dir, tm
                 time.sleep(0.05)
             assert requests_seen(log, "EXIST") >= 1
             # B is shorter than one chunk: it needs no lookup and must not wait for A's.
-            fast = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=5.0)
+            # Without a lookup thread B would wait for the trickled EXIST reply: 27 s.
+            fast = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=15.0)
             b = fast.completions.create(model=model, prompt=prompt(5, seed=3), max_tokens=2, temperature=0.0)
             assert len(b.choices) == 1 and b.usage.completion_tokens == 2
             a.join(GUARD_S)
