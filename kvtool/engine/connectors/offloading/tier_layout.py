@@ -94,25 +94,34 @@ def walk_tier(kv_fd: int, only_digest: str | None = None) -> Iterator[TierEntry]
     belongs, is a "special" entry; a directory that cannot be opened is "unreadable".
     Directories vanishing mid-walk (concurrent eviction) are skipped.
     """
-    stack: list[tuple[int | None, str, int]] = [(None, "", 0)]  # (fd to close, relpath, depth)
-    try:
-        while stack:
-            fd, prefix, depth = stack.pop()
-            try:
-                yield from _walk_dir(kv_fd if fd is None else fd, prefix, depth, only_digest, stack)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-    finally:
-        for fd, _, _ in stack:  # an abandoned walk closes what it opened
-            if fd is not None:
+    # Directories still to list, by path: holding a descriptor for each would run out of them.
+    stack: list[tuple[str, int]] = [("", 0)]
+    while stack:
+        prefix, depth = stack.pop()
+        opened: list[int] = []
+        try:
+            dir_fd = kv_fd
+            parts = prefix.rstrip("/").split("/") if prefix else []
+            for n, part in enumerate(parts):
+                dir_fd = open_dir_at(dir_fd, part, "/".join(parts[: n + 1]))
+                opened.append(dir_fd)
+        except TierFileRefused as e:  # replaced since it was listed
+            for fd in opened:
+                os.close(fd)
+            if e.problem != "missing":
+                yield TierEntry(prefix.rstrip("/"), parts[-1], "special", None, str(e))
+            continue
+        try:
+            yield from _walk_dir(dir_fd, prefix, depth, only_digest, stack)
+        finally:
+            for fd in opened:
                 os.close(fd)
 
 
 def _walk_dir(
-    dir_fd: int, prefix: str, depth: int, only_digest: str | None, stack: list[tuple[int | None, str, int]]
+    dir_fd: int, prefix: str, depth: int, only_digest: str | None, stack: list[tuple[str, int]]
 ) -> Iterator[TierEntry]:
-    """The entries of one directory; subdirectories to enter are pushed on `stack`, open."""
+    """The entries of one directory; subdirectories to enter are pushed on `stack`."""
     try:
         with os.scandir(dir_fd) as it:
             found = []
@@ -130,12 +139,14 @@ def _walk_dir(
     for name, st in found:
         rel = f"{prefix}{name}"
         if stat.S_ISDIR(st.st_mode) and depth < _DIR_LEVELS:
-            try:
-                stack.append((open_dir_at(dir_fd, name, rel), f"{rel}/", depth + 1))
+            try:  # opened once here to tell an unreadable directory from one to enter
+                os.close(open_dir_at(dir_fd, name, rel))
             except TierFileRefused as e:
                 if e.problem != "missing":
                     kind: TierFileKind = "unreadable" if e.problem == "unreadable" else "special"
                     yield TierEntry(rel, name, kind, st, str(e))
+                continue
+            stack.append((f"{rel}/", depth + 1))
         elif stat.S_ISREG(st.st_mode):
             yield TierEntry(rel, name, classify_name(name, depth == 0), st)
         else:
