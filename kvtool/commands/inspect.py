@@ -96,8 +96,7 @@ def identity_for_model_dir(model_dir: Path, engine: EngineParams) -> KVIdentity:
     if isinstance(identity, KVIdentity):
         return identity
     # The engine's identity; the tier's adds the offload block size from the connector config.
-    from kvtool.engine.connectors.offloading.connector import disk_identity
-    from kvtool.engine.connectors.offloading.settings import parse_settings
+    from kvtool.engine.connectors.offloading.connector import disk_identity, parse_settings
 
     extra = dict(engine.kv_transfer_config.kv_connector_extra_config) if engine.kv_transfer_config else {}
     settings = parse_settings(extra, engine.block_size)
