@@ -104,7 +104,7 @@ class PeerServer:
                 stderr=subprocess.STDOUT,
                 env=peer_env(),
             )
-        probe = LMClient(self.host, self.port, connections=1, timeout_s=2.0)
+        probe = LMClient(self.host, self.port, connections=1, timeout_s=2.0, backoff_s=0)  # it polls
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while not probe.health():

@@ -99,7 +99,7 @@ def ttft(
     Examples:
       kvtool bench ttft --preset tiny --load-format dummy --device cpu --kv-cache-memory 256M --prompt-lens 256,512,1024 --concurrency 1 --json ttft.json --plot ttft.png
       kvtool bench ttft --preset qwen3-8b --load-format dummy --arms none,cpu,lmcache --lmcache-url lm://127.0.0.1:65432
-      kvtool bench ttft --model DIR --arm 'cpu={"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":32G}}'
+      kvtool bench ttft --model DIR --arm 'cpu={"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":"32G"}}'
     """
     from kvtool.workloads.ttft import TTFTSettings, run_ttft_grid
 

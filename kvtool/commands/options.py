@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtool.engine.connectors.config import parse_human_int, parse_kv_transfer_config
+from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, parse_kv_events_config
 
 ModelOpt = Annotated[
@@ -39,7 +40,7 @@ _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("block_size", 16, Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]),
     ("num_gpu_blocks", None, Annotated[Optional[int], typer.Option("--num-gpu-blocks", help="Exact number of KV blocks.")]),
     ("gpu_memory_utilization", 0.9, Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of device memory for weights + KV (CUDA).")]),
-    ("kv_cache_memory", "2G", Annotated[str, typer.Option("--kv-cache-memory", help="Bytes of KV pages on CPU (suffixes: 512M, 2G).")]),
+    ("kv_cache_memory", "2G", Annotated[str, typer.Option("--kv-cache-memory", help="Bytes of KV pages on CPU (vLLM suffixes: 512M = 512 MiB, 2G = 2 GiB, 500m = 500 MB).")]),
     ("enable_prefix_caching", True, Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV of shared prompt prefixes.")]),
     ("max_num_batched_tokens", 2048, Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one engine step (chunked prefill).")]),
     ("max_num_seqs", 256, Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]),
@@ -76,7 +77,7 @@ def build_engine_params(**opts) -> EngineParams:
         block_size=opts["block_size"],
         num_gpu_blocks=opts["num_gpu_blocks"],
         gpu_memory_utilization=opts["gpu_memory_utilization"],
-        kv_cache_memory=parse_human_int(opts["kv_cache_memory"]),
+        kv_cache_memory=_size_flag("--kv-cache-memory", opts["kv_cache_memory"]),
         enable_prefix_caching=opts["enable_prefix_caching"],
         max_num_batched_tokens=opts["max_num_batched_tokens"],
         max_num_seqs=opts["max_num_seqs"],
@@ -116,3 +117,11 @@ def with_engine_options(fn):
     wrapper.__signature__ = sig.replace(parameters=own + added)
     del wrapper.__wrapped__  # typer must read the new signature, not the wrapped one
     return wrapper
+
+
+def _size_flag(flag: str, text: str) -> int:
+    """A size flag's value (sizes.py rules); ConfigError naming the flag."""
+    try:
+        return parse_human_int(text)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None

@@ -309,7 +309,14 @@ NoneHashSeedOpt = Annotated[Optional[str], typer.Option(
 SaveUnfullOpt = Annotated[bool, typer.Option(
     "--save-unfull-chunk", help="Also key a trailing partial chunk (LMCache save_unfull_chunk).",
 )]
-KVDtypeOpt = Annotated[str, typer.Option("--kv-dtype", help="torch dtype of the KV cache (fp8 caches: uint8).")]
+KVDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-dtype", show_default=False,
+    help="torch dtype of the KV cache (fp8 caches: uint8). Default: bfloat16; with --peer, what kvtool serve "
+    "stores on --device (float32 on CPU, bfloat16 on CUDA).",
+)]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", help="With --peer and no --kv-dtype: the writer's device (auto, cpu or cuda), which sets the KV dtype.",
+)]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", help="The writer's world size (PP x TP).")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="The writer's global rank.")]
 AgainstOpt = Annotated[bool, typer.Option(
@@ -336,7 +343,8 @@ def verify_keys(
     hash_algo: HashAlgoOpt = "vllm",
     none_hash_seed: NoneHashSeedOpt = None,
     save_unfull_chunk: SaveUnfullOpt = False,
-    kv_dtype: KVDtypeOpt = "bfloat16",
+    kv_dtype: KVDtypeOpt = None,
+    device: DeviceOpt = "auto",
     world_size: WorldSizeOpt = 1,
     worker_id: WorkerIdOpt = 0,
     against_lmcache: AgainstOpt = False,
@@ -368,6 +376,10 @@ def verify_keys(
         raise ConfigError(f"--hash-algo must be one of {', '.join(CLI_HASH_ALGOS)}, got {hash_algo!r}")
     if peer_python is not None and not against_lmcache:
         raise ConfigError("--peer-python is used only with --against-lmcache")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if kv_dtype is None:
+        kv_dtype = serve_kv_dtype(device) if peer is not None else "bfloat16"
     settings = LMCacheKeySettings(
         model_name if model_name is not None else model or DEFAULT_MODEL_NAME,
         world_size=world_size,
@@ -414,6 +426,11 @@ def verify_keys(
                 raise ConfigError(f"--peer unreachable: {e}") from None
 
     rows = build_rows(ours, comparison, probes)
+    for seq, chunks in zip(sequences, ours):
+        if not chunks:
+            render.info(short_sequence_hint(len(seq), settings))
+    if probes is not None and rows and not any(r.present for r in rows):
+        render.info(peer_miss_hint(len(rows), peer, settings))
     if json_out:
         render.print_json(rows)
     else:
@@ -421,6 +438,35 @@ def verify_keys(
     code = exit_status(rows)
     if code:
         raise typer.Exit(code)
+
+
+def serve_kv_dtype(device: str) -> str:
+    """The KV dtype `kvtool serve --device DEVICE` stores (its --dtype auto): float32 on CPU, else bfloat16."""
+    if device == "auto":
+        import torch  # only --peer gets here, and the probe needs torch anyway
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def short_sequence_hint(num_tokens: int, settings: LMCacheKeySettings) -> str:
+    """Why a sequence got no key: it is shorter than one chunk."""
+    return (
+        f"hint: the sequence has {num_tokens} tokens, fewer than one chunk: a chunk needs "
+        f"{settings.chunk_tokens} tokens (--chunk-tokens), so no chunk gets a key; use a longer prompt, "
+        "a smaller --chunk-tokens (the writer's chunk_size) or --save-unfull-chunk"
+    )
+
+
+def peer_miss_hint(num_keys: int, peer: str, settings: LMCacheKeySettings) -> str:
+    """What was compared when a server holds none of the keys."""
+    return (
+        f"hint: {peer} holds none of the {num_keys} keys. Compared keys for model name "
+        f"{settings.model_name!r}, KV dtype {settings.kv_dtype} (LMCache's {settings.dtype_str!r}), "
+        f"chunks of {settings.chunk_tokens} tokens, hash {settings.hash_algo}, world size {settings.world_size}, "
+        f"worker {settings.worker_id}; each must match the writer (kvtool serve stores float32 on CPU, "
+        "bfloat16 on CUDA): see --model-name, --kv-dtype, --device, --chunk-tokens, --hash-algo"
+    )
 
 
 def _open_model(model: str | None, show_progress: bool) -> ModelDir:

@@ -10,6 +10,15 @@ import msgspec
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.kv_events_config import KVEventsConfig, parse_kv_events_config  # noqa: F401 (re-exported for the commands)
+from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
+
+MAX_BLOCK_SIZE = 1024
+MAX_SEED = 2**64 - 1
+MAX_NUM_BLOCKS = 2**31 - 1
+MAX_TOKENS = 2**24  # context lengths and per-step token budgets
+MAX_NUM_SEQS = 2**16
+# The --model string names the model in disk-tier headers and LMCache keys: a path at most.
+MAX_MODEL_CHARS = 4096
 
 
 class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,22 +55,33 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
-            raise ConfigError(f"--num-gpu-blocks must be positive, got {self.num_gpu_blocks}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
+            raise ConfigError(
+                f"--block-size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {self.block_size}"
+            )
+        _check_range("--seed", self.seed, 0, MAX_SEED)
+        if self.num_gpu_blocks is not None:
+            _check_range("--num-gpu-blocks", self.num_gpu_blocks, 1, MAX_NUM_BLOCKS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_memory <= 0:
-            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
-        if self.max_num_batched_tokens <= 0:
-            raise ConfigError("--max-num-batched-tokens must be positive")
-        if self.max_num_seqs <= 0:
-            raise ConfigError("--max-num-seqs must be positive")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError("--max-model-len must be positive")
+        _check_range("--kv-cache-memory", self.kv_cache_memory, 1, MAX_SIZE_BYTES)
+        # Only the CPU engine allocates these bytes; on CUDA the KV cache is sized from free memory.
+        if self.device != "cuda":
+            check_fits_memory("--kv-cache-memory", self.kv_cache_memory)
+        _check_range("--max-num-batched-tokens", self.max_num_batched_tokens, 1, MAX_TOKENS)
+        _check_range("--max-num-seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        if self.max_model_len is not None:
+            _check_range("--max-model-len", self.max_model_len, 1, MAX_TOKENS)
+        if self.model is not None and not 1 <= len(self.model) <= MAX_MODEL_CHARS:
+            raise ConfigError(f"--model must be 1 to {MAX_MODEL_CHARS} characters, got {len(self.model)}")
+
+
+def _check_range(flag: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 40 else f"a {len(str(value))}-digit number"
+        raise ConfigError(f"{flag} must be between {low} and {high}, got {shown}")
 
 
 # vLLM raises temperatures in (0, MIN_TEMPERATURE) to it: smaller ones overflow float32 logits.

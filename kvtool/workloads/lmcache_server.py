@@ -75,7 +75,7 @@ def lmcache_server(url: str | None) -> Iterator[str]:
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int, log_path: Path) -> None:
-    probe = LMClient(HOST, port, connections=1, timeout_s=2.0)
+    probe = LMClient(HOST, port, connections=1, timeout_s=2.0, backoff_s=0)  # it polls
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while not probe.health():

@@ -2,12 +2,12 @@
 
 import pytest
 
-from kvtool.engine.connectors.config import expand_human_numbers, parse_human_int, parse_kv_transfer_config
+from kvtool.engine.connectors.config import parse_human_int, parse_kv_transfer_config
 from kvtool.engine.errors import ConfigError
 
 VLLM_EXAMPLES = [
     '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":8589934592}}',
-    '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":8G}}',
+    '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":"8G"}}',
     '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":1000000000,"block_size":64,"eviction_policy":"arc"}}',
     '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}',
     '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both","kv_connector_extra_config":{"lmcache.pre_caching_hash_algorithm":"sha256_cbor"}}',
@@ -21,19 +21,26 @@ def test_vllm_documents_parse_unchanged(text):
     assert cfg.kv_load_failure_policy == "fail"
 
 
-def test_human_numbers_expand_outside_strings_only():
+def test_sizes_are_json_strings_with_vllm_suffixes():
     cfg = parse_kv_transfer_config(
         '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-        '"kv_connector_extra_config":{"cpu_bytes_to_use":8G,"fs_capacity_bytes":80m,"root_dir":"/tmp/8G"}}'
+        '"kv_connector_extra_config":{"cpu_bytes_to_use":"8G","fs_capacity_bytes":"80m","root_dir":"/tmp/8G"}}'
     )
     extra = cfg.kv_connector_extra_config
-    assert extra["cpu_bytes_to_use"] == 8 * 2**30
-    assert extra["fs_capacity_bytes"] == 80_000_000
-    assert extra["root_dir"] == "/tmp/8G"
+    assert extra == {"cpu_bytes_to_use": "8G", "fs_capacity_bytes": "80m", "root_dir": "/tmp/8G"}
+    assert parse_human_int("8G") == 8 * 2**30
+    assert parse_human_int("80m") == 80_000_000
     assert parse_human_int("1.5g") == 1_500_000_000
-    assert expand_human_numbers('{"a": "80m", "b": 2k}') == '{"a": "80m", "b": 2000}'
     with pytest.raises(ConfigError, match="decimals are not allowed"):
         parse_human_int("1.5G")
+
+
+@pytest.mark.parametrize("unquoted", ["8G", "80m", "2k"])
+def test_unquoted_sizes_are_malformed_json(unquoted):
+    text = ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+            f'"kv_connector_extra_config":{{"cpu_bytes_to_use":{unquoted}}}}}')
+    with pytest.raises(ConfigError, match="malformed JSON"):
+        parse_kv_transfer_config(text)
 
 
 def test_all_keys_accepted():

@@ -1,6 +1,5 @@
 """CPU tier slots and the OffloadingConnector's settings."""
 
-import logging
 
 import pytest
 
@@ -46,20 +45,20 @@ def test_sizing_from_bytes_or_blocks():
     assert plan_num_slots(G, 2, 1, None) == 1  # always at least one slot
 
 
-def test_settings_and_one_warning_line_for_unknown_keys(caplog):
-    with caplog.at_level(logging.WARNING):
-        s = parse_settings({"cpu_bytes_to_use": 1 << 20, "block_size": 32, "spec_name": "x", "store_threshold": 2}, 16)
+def test_settings_and_one_line_refusal_for_unknown_keys():
+    s = parse_settings({"cpu_bytes_to_use": 1 << 20, "block_size": 32, "spec_name": "CPUOffloadingSpec"}, 16)
     assert s.offload_block_tokens == 32 and s.cpu_bytes_to_use == 1 << 20 and s.layerwise is False
     assert parse_settings({"layerwise": True}, 16).layerwise is True
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "spec_name" in warnings[0] and "store_threshold" in warnings[0]
+    with pytest.raises(ConfigError, match="unknown key 'store_threshold'; known keys: ") as e:
+        parse_settings({"cpu_bytes_to_use": 1 << 20, "store_threshold": 2}, 16)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
     "extra, needle",
     [
         ({"offload_block_tokens": 24}, "not a multiple of the block size 16"),
-        ({"num_cpu_blocks": 0}, "num_cpu_blocks must be positive"),
+        ({"num_cpu_blocks": 0}, "num_cpu_blocks must be an integer >= 1"),
         ({"eviction_policy": "arc"}, "eviction_policy"),
         ({"root_dir": 5}, "root_dir"),
         ({"group_idx": 1}, "group_idx"),

@@ -96,8 +96,9 @@ class SchedulerHalf(abc.ABC):
         self.config = ctx.config
 
     def check_request(self, request: Request) -> None:
-        """Called once by engine.add_request, before the request is queued: raise InputError for
-        a request this connector cannot serve (e.g. a malformed cache tag). Default: accept."""
+        """Called by `add_request` before the request is queued: raise InputError for a request
+        this connector cannot serve (e.g. an LMCache tag its keys cannot carry). Default: accept.
+        """
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,7 +1,9 @@
 """`--kv-transfer-config`: vLLM's KVTransferConfig JSON, parsed strictly.
 
-The document is the one vLLM takes. Like vLLM's CLI, unquoted human-readable numbers
-(`80m` = 80 * 10**6, `8G` = 8 * 2**30) are expanded before the JSON is decoded.
+The document is the one vLLM takes, and exactly JSON: an unquoted `2G` is malformed JSON and
+refused like any other. Sizes inside kv_connector_extra_config are integers or JSON strings
+with vLLM's suffixes (`"80m"` = 80 * 10**6, `"8G"` = 8 * 2**30; sizes.py), which each
+connector's declared keys accept (extra_keys.py).
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from typing import Literal, Union
 import msgspec
 
 from kvtool.engine.errors import ConfigError
+from kvtool.engine.sizes import parse_size
 
 ExtraValue = Union[str, int, float, bool]
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_ENGINE_ID = "kvtool-engine-0"
+# engine_id lands in every disk-tier header: bounded so that a header always fits its limit.
+MAX_ENGINE_ID_CHARS = 256
+MAX_NAME_CHARS = 256
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,46 +52,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return self.kv_connector_extra_config.get(key, default)
 
 
-_HUMAN_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([kKmMgGtT])(?![\w.])")
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
 def parse_human_int(text: str) -> int:
-    """`8G` -> 8 * 2**30, `80m` -> 80 * 10**6, `1.5g` -> 1.5e9, `123` -> 123 (vLLM's rules)."""
-    text = text.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text)
-    if not match:
-        raise ConfigError(f"not a number: {text!r} (use e.g. 1024, 80m or 8G)")
-    number, suffix = match.groups()
-    if not suffix:
-        if "." in number:
-            raise ConfigError(f"not an integer: {text!r}")
-        return int(number)
-    if suffix in _BINARY:
-        if "." in number:
-            raise ConfigError(f"decimals are not allowed with binary suffixes: {text!r}")
-        return int(number) * _BINARY[suffix]
-    return int(float(number) * _DECIMAL[suffix])
-
-
-def expand_human_numbers(text: str) -> str:
-    """Expand unquoted `80m` / `8G` tokens outside JSON string literals."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        if text[i] == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-            continue
-        j = text.find('"', i)
-        j = n if j < 0 else j
-        out.append(_HUMAN_NUMBER.sub(lambda m: str(parse_human_int(m.group(0))), text[i:j]))
-        i = j
-    return "".join(out)
+    """`8G` -> 8 * 2**30, `80m` -> 80 * 10**6, `123` -> 123: vLLM's human-readable ints (sizes.py)."""
+    return parse_size(text)
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
@@ -96,7 +66,7 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
     if text is None or text.strip() in ("", "None", "null"):
         return None
     try:
-        config = msgspec.json.decode(expand_human_numbers(text), type=KVTransferConfig)
+        config = msgspec.json.decode(text.encode(), type=KVTransferConfig)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid --kv-transfer-config: {e}") from None
     except msgspec.DecodeError as e:
@@ -116,6 +86,26 @@ def validate_kv_transfer_config(config: KVTransferConfig) -> None:
         )
     if config.kv_connector_module_path == "":
         raise ConfigError("invalid --kv-transfer-config: kv_connector_module_path cannot be empty")
+    path = config.kv_connector_module_path
+    if path is not None and (len(path) > MAX_NAME_CHARS or not _MODULE_PATH.fullmatch(path)):
+        raise ConfigError(
+            f"invalid --kv-transfer-config: kv_connector_module_path {path[:60]!r} is not a dotted "
+            f"Python module name (e.g. my_pkg.my_connector) of at most {MAX_NAME_CHARS} characters"
+        )
+    engine_id = config.engine_id
+    if not 1 <= len(engine_id) <= MAX_ENGINE_ID_CHARS or not engine_id.isprintable():
+        raise ConfigError(
+            f"invalid --kv-transfer-config: engine_id must be 1 to {MAX_ENGINE_ID_CHARS} printable "
+            f"characters, got {len(engine_id)} characters"
+        )
+    if not 1 <= config.kv_port <= 65535:
+        raise ConfigError(f"invalid --kv-transfer-config: kv_port must be between 1 and 65535, got {config.kv_port}")
+    for name in ("kv_connector", "kv_buffer_device"):
+        value = getattr(config, name)
+        if value is not None and (len(value) > MAX_NAME_CHARS or not value.isprintable()):
+            raise ConfigError(
+                f"invalid --kv-transfer-config: {name} must be at most {MAX_NAME_CHARS} printable characters"
+            )
     if config.kv_connector is None:
         return
     if config.kv_role is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,7 +29,27 @@ from kvtool.engine.connectors.base import (
     SchedulerHalf,
     WorkerHalf,
 )
-from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, tags_from_request_configs
+from kvtool.engine.connectors.lmcache.keys import (
+    LMCacheKeySettings,
+    check_request_tags,
+    make_chunk_keys,
+    tags_from_request_configs,
+)
+from kvtool.engine.connectors.lmcache.payload_digest import (
+    DIGEST_BYTES,
+    DIGEST_HEADER,
+    DIGEST_TAG,
+    digest_key,
+    payload_digest,
+    payload_secret,
+    refuse_payload,
+)
+from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-exported)
+    DEFAULT_HOST,  # noqa: F401
+    DEFAULT_PORT,  # noqa: F401
+    LMCacheSettings,
+    parse_settings,
+)
 from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.store_factory import open_store
 from kvtool.engine.connectors.lmcache.wire import (
@@ -39,87 +58,10 @@ from kvtool.engine.connectors.lmcache.wire import (
     kv_chunk_header,
     tensor_buffer,
 )
-from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
+from kvtool.engine.errors import KVRefused, KVToolError, PeerError
 from kvtool.engine.kv_pages import DTYPES, KVGeometry, refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.lmcache")
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 65432
-
-
-class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """kv_connector_extra_config of the LMCacheConnector."""
-
-    host: str | None = None  # default KVTOOL_LMCACHE_HOST or 127.0.0.1
-    port: int | None = None  # default KVTOOL_LMCACHE_PORT or 65432
-    # lm://HOST:PORT (an alternative to host/port), redis://, rediss://, unix://, redis-cluster://,
-    # valkey:// (store.py parses and checks it)
-    remote_url: str | None = None
-    hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
-    chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
-    model_name: str | None = None  # default the --model string, as vLLM puts it in the key
-    world_size: int = 1
-    worker_id: int = 0
-    kv_dtype: str | None = None  # default the engine's KV dtype
-    offload_prompt_only: bool = True
-    save_unfull_chunk: bool = False
-    none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; unset = vLLM >= 0.29's default
-    connections: int = 4
-    timeout_s: float = 10.0
-    valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
-    valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
-
-
-# vLLM + LMCache spell some of these as lmcache.* keys.
-_ALIASES = {
-    "lmcache.remote_url": "remote_url",
-    "lmcache.chunk_size": "chunk_tokens",
-    "lmcache.pre_caching_hash_algorithm": "hash_algo",
-    "lmcache.save_unfull_chunk": "save_unfull_chunk",
-}
-
-
-def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int) -> tuple[LMCacheSettings, LMCacheKeySettings]:
-    doc = {_ALIASES.get(k, k): v for k, v in extra.items()}
-    try:
-        s = msgspec.convert(doc, LMCacheSettings)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid LMCacheConnector config: {e}") from None
-    if s.remote_url:
-        # --- remote store (store.py): every scheme is checked here, lm:// also fills host/port ---
-        address = store_address(s.remote_url, save_unfull_chunk=s.save_unfull_chunk,
-                                valkey_enable_ttl=s.valkey_enable_ttl, valkey_ttl_sec=s.valkey_ttl_sec)
-        if address.scheme == "lm":
-            (host, port), = address.nodes
-            s = msgspec.structs.replace(s, host=host, port=port)
-    elif s.valkey_enable_ttl or s.valkey_ttl_sec is not None:
-        raise ConfigError("invalid LMCacheConnector config: valkey_enable_ttl / valkey_ttl_sec need a valkey:// remote_url")
-    host = s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST
-    try:
-        port = s.port if s.port is not None else int(os.environ.get("KVTOOL_LMCACHE_PORT") or DEFAULT_PORT)
-    except ValueError:
-        raise ConfigError("KVTOOL_LMCACHE_PORT is not a port number") from None
-    algo = "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
-    chunk = s.chunk_tokens or (block_size if algo == "blake3" else 256)
-    if chunk % block_size:
-        raise ConfigError(
-            f"invalid LMCacheConnector config: chunk_tokens {chunk} is not a multiple of the block size {block_size}"
-        )
-    if s.connections < 1:
-        raise ConfigError("invalid LMCacheConnector config: connections must be >= 1")
-    key_settings = LMCacheKeySettings(
-        model_name=s.model_name or model_name,
-        world_size=s.world_size,
-        worker_id=s.worker_id,
-        kv_dtype=s.kv_dtype or kv_dtype,
-        chunk_tokens=chunk,
-        hash_algo=algo,
-        none_hash_seed=s.none_hash_seed,
-        save_unfull_chunk=s.save_unfull_chunk,
-    )
-    return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings
-
 
 class ChunkJob(msgspec.Struct, kw_only=True):
     request_id: str
@@ -135,15 +77,36 @@ class LMCacheMetadata(KVConnectorMetadata):
     stores: list[ChunkJob] = []
 
 
-def _request_keys(request, key_settings: LMCacheKeySettings):
+def _request_tags(request) -> dict[str, str]:
     tags = tags_from_request_configs(request.kv_transfer_params)
     if request.cache_salt:
         # LMCache's isolation tag for vLLM's cache_salt (a digest, never the salt itself).
         tags["cachesalt"] = hashlib.sha256(request.cache_salt.encode()).hexdigest()[:16]
+    return tags
+
+
+def _request_keys(request, key_settings: LMCacheKeySettings):
+    tags = _request_tags(request)
     return make_chunk_keys(request.prompt_token_ids, key_settings, tags=tags or None)
 
 
+class _Lookup(msgspec.Struct):
+    """An EXIST lookup running on the lookup thread for one request."""
+
+    num_computed_tokens: int  # the local hit it was asked with
+    first: int  # index of the first chunk asked about
+    future: Future
+    started_s: float  # time.monotonic()
+
+
 class LMCacheScheduler(SchedulerHalf):
+    """Plans loads and stores; its EXIST lookups run on a thread of their own.
+
+    The engine loop never waits on the server: a request whose lookup is in flight is
+    answered "ask again later" (None) and skipped for that step; a lookup that takes more than
+    `lookup_timeout_s` is given up on and the request runs without the hit.
+    """
+
     def __init__(self, ctx: ConnectorContext, settings: LMCacheSettings, key_settings: LMCacheKeySettings, client: RemoteStore) -> None:
         super().__init__(ctx)
         self.settings = settings
@@ -154,6 +117,8 @@ class LMCacheScheduler(SchedulerHalf):
         self.keys: dict[str, list] = {}
         # request id -> (local hit it was asked with, matched tokens); lookups hit the network once.
         self.lookups: dict[str, tuple[int, int]] = {}
+        self.inflight_lookups: dict[str, _Lookup] = {}
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-lookup")
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
         self.pending_loads: list[ChunkJob] = []
@@ -164,30 +129,59 @@ class LMCacheScheduler(SchedulerHalf):
             keys = self.keys[request.request_id] = _request_keys(request, self.key_settings)
         return keys
 
+    def check_request(self, request) -> None:
+        """Refuse (InputError) a request whose LMCache tags the server could not key."""
+        tags = _request_tags(request)
+        if self.settings.verify_payload:
+            tags[DIGEST_TAG[0]] = DIGEST_TAG[1]  # the digest's key is the chunk's plus this tag
+        check_request_tags(tags, self.key_settings)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
             return 0, False
-        cached = self.lookups.get(request.request_id)
+        rid = request.request_id
+        cached = self.lookups.get(rid)
         if cached is not None and cached[0] == num_computed_tokens:
             return cached[1], False
         keys = self._keys(request)
         first = num_computed_tokens // self.cs
         # Whole chunks that end before the last prompt token (one token is always computed).
         last = min((request.num_tokens - 1) // self.cs, len(keys))
-        matched = 0
-        if last > first:
+        if last <= first:
+            self.lookups[rid] = (num_computed_tokens, 0)
+            return 0, False
+        lookup = self.inflight_lookups.get(rid)
+        if lookup is None or lookup.num_computed_tokens != num_computed_tokens:
+            wanted = [k.key for k in keys[first:last] if k.end - k.start == self.cs]
             try:
-                present = self.client.exist_many([k.key for k in keys[first:last] if k.end - k.start == self.cs])
-            except PeerError as e:
-                logger.warning("LMCache lookup failed, computing instead: %s", e)
-                present = []
-            n = 0
-            for hit in present:
-                if not hit:
-                    break
-                n += 1
-            matched = max(0, (first + n) * self.cs - num_computed_tokens)
-        self.lookups[request.request_id] = (num_computed_tokens, matched)
+                future = self._lookup_pool.submit(self.client.exist_many, wanted)
+            except RuntimeError:  # shut down
+                return 0, False
+            self.inflight_lookups[rid] = _Lookup(num_computed_tokens, first, future, time.monotonic())
+            return None, False
+        if not lookup.future.done():
+            if time.monotonic() - lookup.started_s < self.settings.lookup_timeout_s:
+                return None, False
+            logger.warning(
+                "LMCache lookup of request %s took over %g s; computing it instead",
+                rid, self.settings.lookup_timeout_s,
+            )
+            return self._settle(rid, num_computed_tokens, 0)
+        try:
+            present = lookup.future.result()
+        except KVToolError as e:
+            logger.warning("LMCache lookup failed, computing instead: %s", e)
+            present = []
+        n = 0
+        for hit in present:
+            if not hit:
+                break
+            n += 1
+        return self._settle(rid, num_computed_tokens, max(0, (lookup.first + n) * self.cs - num_computed_tokens))
+
+    def _settle(self, rid: str, num_computed_tokens: int, matched: int) -> tuple[int, bool]:
+        self.inflight_lookups.pop(rid, None)
+        self.lookups[rid] = (num_computed_tokens, matched)
         return matched, False
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -245,12 +239,14 @@ class LMCacheScheduler(SchedulerHalf):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
-        for d in (self.keys, self.lookups, self.requests, self.next_store):
+        for d in (self.keys, self.lookups, self.requests, self.next_store, self.inflight_lookups):
             d.pop(rid, None)
         return False, None
 
     def shutdown(self) -> None:
+        # Closing the client first ends a lookup in flight at once, whatever the server does.
         self.client.close()
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class LMCacheWorker(WorkerHalf):
@@ -266,6 +262,8 @@ class LMCacheWorker(WorkerHalf):
         self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
         self.chunk_tokens = settings.chunk_tokens
         self.pending_puts: list[Future] = []
+        self.verify_payload = settings.verify_payload
+        self._secret = payload_secret() if settings.verify_payload else None
 
     def _ensure_pool(self, n: int) -> None:
         """Host buffers [2, L, chunk_tokens, H*D] for n chunks, allocated once and reused.
@@ -291,6 +289,7 @@ class LMCacheWorker(WorkerHalf):
         # GETs stream in over the pool's connections into a ring of host buffers, while this
         # thread scatters each chunk into the pages as soon as it has arrived; chunk i reuses
         # the buffer of chunk i - ring once that one is in the pages, so host memory is bounded.
+        digests = self._fetch_digests(loads) if self.verify_payload else None
         ring = min(len(loads), max(16, 4 * self.settings.connections))
         self._ensure_pool(ring)
         items = [(j.key, tensor_buffer(self._pool[i % ring]), None) for i, j in enumerate(loads)]
@@ -316,14 +315,21 @@ class LMCacheWorker(WorkerHalf):
                     except queue.Empty:
                         if fetch.done():
                             fetch.result()  # re-raises what stopped the fetch before all items ended
-                self._load_one(loads[i], self._pool[i % ring], result)
+                self._load_one(loads[i], self._pool[i % ring], result, None if digests is None else digests[i])
                 scattered[i].set()
             fetch.result()
         finally:
             aborted.set()
         self.stats.load_s += time.perf_counter() - t0
 
-    def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result) -> None:
+    def _fetch_digests(self, loads: list[ChunkJob]) -> list[tuple[object, memoryview]]:
+        """The payload digest of each chunk to load (verify_payload), fetched before the chunks."""
+        store = memoryview(bytearray(DIGEST_BYTES * len(loads)))
+        views = [store[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(len(loads))]
+        found = self.client.get_many_into([(digest_key(j.key), v, None) for j, v in zip(loads, views)])
+        return list(zip(found, views))
+
+    def _load_one(self, job: ChunkJob, pooled: torch.Tensor, result, digest=None) -> None:
         bs = self.geometry.block_size
         n = job.end - job.start
         try:
@@ -335,6 +341,8 @@ class LMCacheWorker(WorkerHalf):
             # The bytes arrived as a contiguous [2, L, n, H*D] at the head of the pooled buffer.
             buf = pooled.reshape(-1)[: 2 * self.geometry.num_layers * n * self.geometry.kv_hidden_size]
             buf = buf.view(2, self.geometry.num_layers, n, self.geometry.kv_hidden_size)
+            if digest is not None:
+                refuse_payload(job.key, tensor_buffer(buf), digest[0], digest[1], self._secret)
             # Only the tokens beyond the local hit; that hit is block-aligned.
             first_block = job.skip // bs
             self.kv_pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", n - job.skip)
@@ -384,6 +392,12 @@ class LMCacheWorker(WorkerHalf):
         t0 = time.perf_counter()
         batch = [(job.key, tensor_buffer(buf), self._expected(job.end - job.start)) for job, buf in items]
         ok = self.client.put_many(batch)
+        if self.verify_payload:
+            # After the chunk: a reader that finds a chunk without its digest refuses it.
+            digests = [(digest_key(key), payload_digest(key, view, self._secret), DIGEST_HEADER)
+                       for (key, view, _), stored in zip(batch, ok) if stored]
+            stored_digests = iter(self.client.put_many(digests))
+            ok = [stored and next(stored_digests) for stored in ok]
         with self._stats_lock:
             for (job, buf), stored in zip(items, ok):
                 if stored:
@@ -440,7 +454,7 @@ class LMCacheConnector(KVConnector):
         g = ctx.identity.geometry
         full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size), DTYPES[g.dtype])
         return open_store(address, connections=connections, timeout_s=settings.timeout_s, chunk_header=full_chunk,
-                          valkey_ttl_s=address.ttl_s)
+                          valkey_ttl_s=address.ttl_s, backoff_s=settings.peer_backoff_s)
 
     @classmethod
     def create_scheduler_half(cls, ctx: ConnectorContext) -> LMCacheScheduler:

@@ -281,6 +281,36 @@ def tags_from_request_configs(request_configs: Mapping[str, object] | None) -> d
     }
 
 
+def check_request_tags(tags: Mapping[str, str], settings: LMCacheKeySettings) -> None:
+    """Refuse, as bad input, tags that LMCache's key format cannot carry.
+
+    LMCache splits a key on '@' and each tag on its first '%' (lmcache/utils.py), and its
+    server reads a 150-byte key field: a tag name must be non-empty without '@' or '%', a
+    value without '@', neither with edge whitespace or control characters, and the longest key
+    the settings' hash mode can produce with these tags must fit 150 UTF-8 bytes.
+
+    Raises InputError (one line) naming the tag.
+    """
+    for tag, value in tags.items():
+        for text in (tag, value):
+            if any(ord(c) < 32 or ord(c) == 127 for c in text):
+                raise InputError(f"LMCache tag {tag[:40]!r}: control characters are not allowed")
+    try:
+        head, tail = _key_head_tail(
+            settings.model_name, settings.world_size, settings.worker_id, settings.dtype_str, None, tags
+        )
+        worst = f"{head}{format_chunk_hash(_worst_case_hash(canonical_hash_algo(settings.hash_algo)))}{tail}"
+        num_bytes = len(worst.encode("utf-8"))
+        if num_bytes > MAX_KEY_BYTES:
+            room = MAX_KEY_BYTES - (num_bytes - len(tail.encode("utf-8")))
+            raise InputError(
+                f"LMCache tags make a {num_bytes}-byte key, the limit is {MAX_KEY_BYTES}; "
+                f"tags (\"@name%value\" each) may take {max(room, 0)} bytes with this model name"
+            )
+    except ConfigError as e:
+        raise InputError(str(e)) from None
+
+
 # ----------------------------------------------------------------------------- CPython hash()
 # CPython 3.11 on a 64-bit build (Python/pyhash.c, Objects/longobject.c, Objects/tupleobject.c).
 

@@ -30,6 +30,7 @@ class ChunkGeometry(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     kv_hidden_size: int  # KV heads of one rank x head_dim
     element_size: int  # bytes per element of the KV dtype
+    dtype: str = ""  # torch name of the KV dtype; "" compares the element size only
 
     def shape(self, num_tokens: int) -> tuple[int, int, int, int]:
         return (2, self.num_layers, num_tokens, self.kv_hidden_size)
@@ -63,6 +64,7 @@ def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1)
         num_layers=config.num_layers,
         kv_hidden_size=num_kv_heads * config.head_dim,
         element_size=dtype.itemsize,
+        dtype=str(dtype).removeprefix("torch."),
     )
 
 
@@ -70,7 +72,8 @@ def geometry_problem(header: ChunkHeader, num_tokens: int, geometry: ChunkGeomet
     """Why a stored chunk (`wire.ChunkHeader`) does not fit `geometry`; None when it fits.
 
     Checks the memory format (KV_2LTD), the shape `[2, layers, tokens, KV hidden size]` and the
-    element size, and names every field that differs with the value expected and found.
+    dtype itself (a float16 chunk does not fit bfloat16 pages, though both have 2-byte
+    elements), and names every field that differs with the value expected and found.
     """
     problems = []
     if header.fmt != MemoryFormat.KV_2LTD:
@@ -88,12 +91,15 @@ def geometry_problem(header: ChunkHeader, num_tokens: int, geometry: ChunkGeomet
             if expected != found:
                 problems.append(f"{label} {found}, expected {expected}")
     try:
-        element_size = torch_dtype_from_code(header.dtype_code).itemsize
+        found_dtype = torch_dtype_from_code(header.dtype_code)
     except PeerError as e:
         problems.append(str(e))
     else:
-        if element_size != geometry.element_size:
-            problems.append(f"element size {element_size} bytes, expected {geometry.element_size}")
+        found_name = str(found_dtype).removeprefix("torch.")
+        if geometry.dtype and found_name != geometry.dtype:
+            problems.append(f"dtype {found_name}, expected {geometry.dtype}")
+        elif found_dtype.itemsize != geometry.element_size:
+            problems.append(f"element size {found_dtype.itemsize} bytes, expected {geometry.element_size}")
     return "; ".join(problems) or None
 
 

@@ -16,6 +16,7 @@ def open_store(
     timeout_s: float,
     chunk_header: ChunkHeader,
     valkey_ttl_s: int | None = None,
+    backoff_s: float | None = None,
 ) -> RemoteStore:
     """A store for `address`, connected lazily (nothing is sent until the first call).
 
@@ -25,6 +26,7 @@ def open_store(
         chunk_header: a full chunk as the engine's pages hold it; the valkey:// layout stores
             no metadata, so a value is a chunk only if it has exactly this size.
         valkey_ttl_s: expiry of every key a valkey:// store writes; None keeps keys forever.
+        backoff_s: lm:// only: how long a peer that missed a deadline is failed fast (LMClient's default when None).
     """
     if connections < 1:
         raise ConfigError(f"remote store connections must be >= 1, got {connections}")
@@ -32,7 +34,9 @@ def open_store(
         raise ConfigError(f"remote store timeout_s must be > 0, got {timeout_s}")
     if address.scheme == "lm":
         (host, port), = address.nodes
-        return LMClient(host, port, connections=connections, timeout_s=timeout_s)
+        if backoff_s is None:
+            return LMClient(host, port, connections=connections, timeout_s=timeout_s)
+        return LMClient(host, port, connections=connections, timeout_s=timeout_s, backoff_s=backoff_s)
     if address.scheme == "valkey":
         from kvtool.engine.connectors.lmcache.valkey_store import ValkeyStore
 

@@ -10,9 +10,6 @@ the disk identity and the facade that builds each half.
 from __future__ import annotations
 
 import logging
-from typing import Literal
-
-import msgspec
 
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool, plan_num_slots
@@ -20,66 +17,14 @@ from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.disk_tier import DiskTier
 from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity
 from kvtool.engine.connectors.offloading.scheduler import OffloadingScheduler, block_hash_of
+from kvtool.engine.connectors.offloading.settings import OffloadingSettings, parse_settings
 from kvtool.engine.connectors.offloading.worker import OffloadingWorker
-from kvtool.engine.errors import ConfigError
 
 logger = logging.getLogger("kvtool.offloading")
 
 DEFAULT_CPU_BYTES = 1 << 30
 
 __all__ = ["OffloadingConnector", "OffloadingSettings", "block_hash_of", "disk_identity", "parse_settings"]
-
-
-class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """kv_connector_extra_config of the OffloadingConnector (vLLM's keys where vLLM has them)."""
-
-    root_dir: str | None = None  # the disk tier; without it the connector is CPU-only
-    cpu_bytes_to_use: int | None = None
-    num_cpu_blocks: int | None = None
-    fs_capacity_bytes: int = 0  # 0 = unlimited
-    eviction_policy: Literal["lru"] = "lru"
-    offload_block_tokens: int | None = None  # a multiple of the engine block size
-    offload_prompt_only: bool = True
-    group_idx: int = 0
-    # kvtool's key: on CUDA, load and save layer by layer during the forward when the device can
-    # address the pinned pool (a step's save goes layer by layer from LAYERWISE_MIN_BLOCKS blocks).
-    layerwise: bool = False
-
-
-# vLLM's name for offload_block_tokens.
-_ALIASES = {"block_size": "offload_block_tokens"}
-
-
-def parse_settings(extra: dict, engine_block_size: int) -> OffloadingSettings:
-    """Decode the extra config; unknown keys get one warning line (vLLM ignores them)."""
-    known = set(OffloadingSettings.__struct_fields__)
-    doc = {}
-    unknown = []
-    for k, v in extra.items():
-        k = _ALIASES.get(k, k)
-        if k in known:
-            doc[k] = v
-        else:
-            unknown.append(k)
-    if unknown:
-        logger.warning("OffloadingConnector ignores unknown kv_connector_extra_config keys: %s", ", ".join(sorted(unknown)))
-    try:
-        s = msgspec.convert(doc, OffloadingSettings)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid OffloadingConnector config: {e}") from None
-    obt = s.offload_block_tokens or engine_block_size
-    if obt <= 0 or obt % engine_block_size:
-        raise ConfigError(
-            f"invalid OffloadingConnector config: offload_block_tokens {obt} is not a multiple of "
-            f"the block size {engine_block_size}; round it up to {-(-obt // engine_block_size) * engine_block_size}"
-        )
-    for name in ("cpu_bytes_to_use", "num_cpu_blocks", "fs_capacity_bytes"):
-        value = getattr(s, name)
-        if value is not None and value < 0 or (name == "num_cpu_blocks" and value == 0):
-            raise ConfigError(f"invalid OffloadingConnector config: {name} must be positive, got {value}")
-    if s.group_idx != 0:
-        raise ConfigError("invalid OffloadingConnector config: this engine has one KV-cache group; group_idx must be 0")
-    return msgspec.structs.replace(s, offload_block_tokens=obt)
 
 
 def disk_identity(identity: EngineIdentity, offload_block_tokens: int) -> KVIdentity:
@@ -116,7 +61,8 @@ class OffloadingConnector(KVConnector):
     @staticmethod
     def _plan(ctx: ConnectorContext) -> tuple[OffloadingSettings, int, int]:
         geometry = ctx.identity.geometry
-        settings = parse_settings(dict(ctx.config.kv_connector_extra_config), geometry.block_size)
+        settings = parse_settings(dict(ctx.config.kv_connector_extra_config), geometry.block_size,
+                                  kv_bytes_per_block=geometry.bytes_per_block)
         blocks_per_slot = settings.offload_block_tokens // geometry.block_size
         cpu_bytes = settings.cpu_bytes_to_use
         if cpu_bytes is None and settings.num_cpu_blocks is None:

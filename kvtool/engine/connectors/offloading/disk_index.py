@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtool.engine.connectors.offloading.disk_tier import BLOCK_SUFFIX, TIER_SUBDIR
+from kvtool.engine.connectors.offloading.tier_layout import BLOCK_SUFFIX, TIER_SUBDIR
 from kvtool.engine.connectors.offloading.identity import KVIdentity, tier_digest
 
 REFRESH_S = 2.0
@@ -25,8 +25,11 @@ REFRESH_S = 2.0
 def list_block_hashes(identity_dir: Path) -> Iterator[bytes]:
     """Block hashes named by the files `<h[:2]>/<h[2:4]>/<h>.kvb` under one identity's directory.
 
-    Names only (no header is read, no symlink is followed); a name that is not a block file's is skipped.
+    Names only (no header is read, no symlink is followed, the identity directory itself
+    included); a name that is not a block file's is skipped.
     """
+    if os.path.islink(identity_dir) or os.path.islink(identity_dir.parent):
+        return
     stack = [(str(identity_dir), 0)]
     while stack:
         directory, depth = stack.pop()

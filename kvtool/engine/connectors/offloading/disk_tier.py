@@ -1,8 +1,6 @@
 """The disk tier: one identity-checked file per offload block under a shared root_dir.
 
-    <root_dir>/kv/.ledger                                       used bytes, under flock
-    <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/<h>.kvb        header + payload (identity.py)
-    <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/.<h>.kvb.<host>.<pid>.<rand>.tmp   in flight
+The layout is in tier_layout.py: a ledger, and `<root>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/<h>.kvb`.
 
 A write goes to a temporary name in the final directory, is fsynced, then renamed into place
 (and the directory fsynced): a crash leaves at most a temporary file, never half a block under
@@ -14,20 +12,19 @@ flock on the ledger, and a file's mtime is the LRU clock every process reads and
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import heapq
 import logging
 import os
-import secrets
-import socket
+import stat
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import NamedTuple
 
-import blake3
 import msgspec
 
 from kvtool.engine.connectors.offloading.identity import (
@@ -43,21 +40,34 @@ from kvtool.engine.connectors.offloading.identity import (
     refuse_foreign_header,
     tier_digest,
 )
+from kvtool.engine.connectors.offloading.tier_fs import (
+    lstat_at,
+    open_dir_at,
+    open_regular,
+    open_regular_at,
+    open_root_dir,
+    parent_dir,
+)
+from kvtool.engine.connectors.offloading.tier_layout import (  # noqa: F401 (re-exported)
+    BLOCK_SUFFIX,
+    HOST_TAG,
+    LEDGER_NAME,
+    TEMP_GRACE_S,
+    TEMP_SUFFIX,
+    TIER_SUBDIR,
+    TierEntry,
+    TierFileKind,
+    block_relpath,
+    classify_name,
+    is_orphaned_temp,
+    make_temp_name,
+    walk_tier,
+)
 from kvtool.engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-TIER_SUBDIR = "kv"
-BLOCK_SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-LEDGER_NAME = ".ledger"
-# A temporary file older than this is a crashed writer's leftover, whoever wrote it.
-TEMP_GRACE_S = 600.0
 _COMPARE_CHUNK_BYTES = 8 << 20
-HOST_TAG = blake3.blake3(socket.gethostname().encode()).hexdigest()[:8]
-
-TierFileKind = Literal["block", "temp", "ledger", "stray"]
-
 
 class TierLedger(msgspec.Struct, kw_only=True):
     """Shared bookkeeping in `<root>/kv/.ledger`; read and written only under its flock."""
@@ -69,67 +79,16 @@ class TierLedger(msgspec.Struct, kw_only=True):
 
 
 _LEDGER_DECODER = msgspec.json.Decoder(TierLedger)
+_LEDGER_MAX_BYTES = 4096
 
 
-def block_relpath(digest: str, block_hash_hex: str) -> str:
-    """Path of a block file relative to `<root>/kv`: `<digest>/<h[:2]>/<h[2:4]>/<h>.kvb`."""
-    h = block_hash_hex
-    return f"{digest}/{h[:2]}/{h[2:4]}/{h}{BLOCK_SUFFIX}"
+class TierBlock(NamedTuple):
+    """A block this engine could load, found by a header-only scan (`DiskTier.scan`)."""
 
-
-def make_temp_name(final_name: str) -> str:
-    """A writer-unique hidden name beside `final_name`: host, pid and a random suffix."""
-    return f".{final_name}.{HOST_TAG}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-
-
-def classify_name(name: str, top_level: bool) -> TierFileKind:
-    """What a file under `<root>/kv` is, from its name alone."""
-    if top_level and name == LEDGER_NAME:
-        return "ledger"
-    if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-        return "temp"
-    if name.endswith(BLOCK_SUFFIX) and not name.startswith("."):
-        return "block"
-    return "stray"
-
-
-def is_orphaned_temp(name: str, mtime_s: float, now_s: float) -> bool:
-    """True when a temporary file's writer is gone: dead pid on this host, or older than the grace.
-
-    A temp file of a live writer (this host, pid alive, recent) is in flight, not damage.
-    """
-    if now_s - mtime_s > TEMP_GRACE_S:
-        return True
-    parts = name[1 : -len(TEMP_SUFFIX)].rsplit(".", 3)
-    if len(parts) != 4 or not parts[2].isdigit():
-        return True
-    host, pid = parts[1], int(parts[2])
-    if host != HOST_TAG:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def walk_tier(tier_root: Path) -> Iterator[tuple[os.DirEntry, TierFileKind]]:
-    """Every file under `<root>/kv` with its kind; directories vanishing mid-walk are skipped."""
-    stack = [(str(tier_root), True)]
-    while stack:
-        directory, top_level = stack.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                stack.append((entry.path, False))
-            else:
-                yield entry, classify_name(entry.name, top_level)
+    block_hash: bytes
+    num_tokens: int
+    file_bytes: int
+    used_ns: int  # mtime: the LRU clock
 
 
 def _as_byte_view(buf: object, writable: bool) -> memoryview:
@@ -154,54 +113,60 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _unlink_at(base_fd: int, relpath: str) -> None:
+    """Remove `relpath` below `base_fd` (a link itself, never its target); absent is fine."""
+    with contextlib.suppress(FileNotFoundError, TierFileRefused), parent_dir(base_fd, relpath) as (fd, name):
+        os.unlink(name, dir_fd=fd)
 
 
-def _unlink_quiet(path: Path | str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _read_payload(fd: int, file_bytes: int, expected: KVIdentity, block_hash_hex: str, view: memoryview, where: str) -> KVBlockHeader:
+    """Checks and reads of an open regular block file (see `read_file`)."""
+    header, offset = read_header_fd(fd, file_bytes, where)
+    refuse_foreign_header(expected, header, what=where)
+    if header.block_hash != block_hash_hex:
+        raise TierFileRefused("misplaced", f"{where}: file holds block {header.block_hash[:16]} instead")
+    if header.payload_bytes != len(view):
+        raise TierFileRefused(
+            "size_mismatch",
+            f"{where}: payload of {header.payload_bytes} bytes does not fit a {len(view)}-byte destination",
+        )
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise TierFileRefused("truncated", f"{where}: file shrank while it was read")
+        done += n
+    if payload_checksum(view) != header.payload_checksum:
+        raise TierFileRefused("torn", f"{where}: payload checksum mismatch (torn block)")
+    return header
 
 
 def read_file(path: Path | str, expected: KVIdentity, block_hash_hex: str, out: object) -> KVBlockHeader:
     """Read one block file into `out`, refusing it unless every check passes.
 
-    Checks, in order: magic, header checksum, format version, header fields, file length,
-    identity (`refuse_foreign_header`), block hash, payload length == len(out), payload
-    checksum. Raises TierFileRefused (a KVRefused) naming the problem; after a refusal the
-    contents of `out` are unspecified and must not be used. Returns the header on success.
-    `out` is a writable buffer or a contiguous CPU tensor (pinned is fine), filled in place.
+    Checks, in order: a regular file (a link, FIFO or directory is refused unopened for
+    reading), magic, header checksum, format version, header fields, file length, identity
+    (`refuse_foreign_header`), block hash, payload length == len(out), payload checksum.
+    Raises TierFileRefused (a KVRefused) naming the problem; after a refusal the contents of
+    `out` are unspecified and must not be used. Returns the header on success. `out` is a
+    writable buffer or a contiguous CPU tensor (pinned is fine), filled in place.
     """
     view = _as_byte_view(out, writable=True)
     where = f"disk tier block {block_hash_hex[:16]}"
+    path = Path(path)
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise TierFileRefused("missing", f"{where}: not in the tier (evicted or never written)") from None
+        fd, st = open_regular_at(parent, path.name, str(path))
+    except TierFileRefused as e:
+        if e.problem == "missing":
+            raise TierFileRefused("missing", f"{where}: not in the tier (evicted or never written)") from None
+        raise
+    finally:
+        os.close(parent)
     try:
-        file_bytes = os.fstat(fd).st_size
-        header, offset = read_header_fd(fd, file_bytes, where)
-        refuse_foreign_header(expected, header, what=where)
-        if header.block_hash != block_hash_hex:
-            raise TierFileRefused("misplaced", f"{where}: file holds block {header.block_hash[:16]} instead")
-        if header.payload_bytes != len(view):
-            raise TierFileRefused(
-                "size_mismatch",
-                f"{where}: payload of {header.payload_bytes} bytes does not fit a {len(view)}-byte destination",
-            )
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise TierFileRefused("truncated", f"{where}: file shrank while it was read")
-            done += n
-        if payload_checksum(view) != header.payload_checksum:
-            raise TierFileRefused("torn", f"{where}: payload checksum mismatch (torn block)")
-        return header
+        return _read_payload(fd, st.st_size, expected, block_hash_hex, view, where)
+    except OSError as e:
+        raise TierFileRefused("unreadable", f"{where}: {e.strerror or e}") from None
     finally:
         os.close(fd)
 
@@ -212,12 +177,15 @@ class DiskTier:
     Thread-safe; several processes may share `root_dir`. With `capacity_bytes` > 0 the block
     files under root_dir (all identities) never exceed it after a commit: least recently
     used files (oldest mtime) are evicted first. In-flight temporary files are not counted.
+    Every file is reached through descriptors of `<root>/kv` without following a link
+    (tier_fs.py): nothing outside root_dir is read, written or touched.
     """
 
     def __init__(self, root_dir: Path | str, identity: KVIdentity, capacity_bytes: int = 0) -> None:
         """Create the tier's directories and ledger; with a capacity, scan and evict down to it.
 
-        Raises ConfigError when root_dir cannot be created or written.
+        Raises ConfigError when root_dir cannot be created or written, or when `kv`, the
+        identity's directory or the ledger is a link or not what it should be.
         """
         if capacity_bytes < 0:
             raise ConfigError(f"disk tier capacity must be >= 0 bytes, got {capacity_bytes}")
@@ -229,16 +197,35 @@ class DiskTier:
         self._hash_bytes = BLOCK_HASH_BYTES.get(identity.hash_algorithm)
         # errnos already warned about: a full disk fails every write, one line is enough.
         self._warned_errnos: set[int | None] = set()
+        self._kv_fd = self._ledger_fd = -1
+        if "\0" in str(root_dir):
+            raise ConfigError("disk tier root_dir contains a NUL character")
         try:
-            (self.tier_root / self.digest).mkdir(parents=True, exist_ok=True)
-            self._ledger_fd = os.open(self.tier_root / LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.root_dir.mkdir(parents=True, exist_ok=True)
+            root_fd = open_root_dir(self.root_dir)
+            try:
+                self._kv_fd = open_dir_at(root_fd, TIER_SUBDIR, TIER_SUBDIR, create=True)
+            finally:
+                os.close(root_fd)
+            os.close(open_dir_at(self._kv_fd, self.digest, f"{TIER_SUBDIR}/{self.digest}", create=True))
+            self._ledger_fd = os.open(
+                LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
+                dir_fd=self._kv_fd,
+            )
+            if not stat.S_ISREG(os.fstat(self._ledger_fd).st_mode):
+                raise TierFileRefused("not_regular", f"{TIER_SUBDIR}/{LEDGER_NAME}: not a regular file")
+        except TierFileRefused as e:
+            self.close()
+            raise ConfigError(f"disk tier root {self.root_dir} is not usable: {e}") from None
         except OSError as e:
-            raise ConfigError(f"disk tier root {self.root_dir} is not usable: {e.strerror}") from None
+            self.close()
+            what = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+            raise ConfigError(f"disk tier root {self.root_dir} is not usable: {e.filename or LEDGER_NAME}: {what}") from None
         # flock is per open file, so threads of this process also need a lock of their own.
         self._commit_lock = threading.Lock()
         self._clock_lock = threading.Lock()
         self._last_ns = 0
-        # LRU candidates (mtime_ns, path, size); stale entries are re-checked when popped.
+        # LRU candidates (mtime_ns, relpath under kv/, size); stale entries are re-checked when popped.
         self._lru: list[tuple[int, str, int]] | None = None
         # Block hashes of this identity evicted to stay under the capacity, until take_evicted().
         self._evicted: list[bytes] = []
@@ -250,10 +237,12 @@ class DiskTier:
                 self._evict_locked(ledger, room=0, keep=None)
 
     def close(self) -> None:
-        """Release the ledger file; the tier's files stay."""
-        if self._ledger_fd >= 0:
-            os.close(self._ledger_fd)
-            self._ledger_fd = -1
+        """Release the ledger and directory descriptors; the tier's files stay."""
+        for name in ("_ledger_fd", "_kv_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -263,8 +252,8 @@ class DiskTier:
 
     # -- paths and lookups
 
-    def path_for(self, block_hash: bytes) -> Path:
-        """Where this identity keeps `block_hash`.
+    def relpath_for(self, block_hash: bytes) -> str:
+        """Where this identity keeps `block_hash`, relative to `<root>/kv`.
 
         Raises ValueError for a hash of the wrong length for the identity's hash algorithm
         (for instance an offload key with its 4 group bytes still attached): that would
@@ -275,19 +264,61 @@ class DiskTier:
                 f"disk tier: a {self.identity.hash_algorithm} block hash has {self._hash_bytes} bytes, "
                 f"got {len(block_hash)}"
             )
-        return self.tier_root / block_relpath(self.digest, block_hash.hex())
+        return block_relpath(self.digest, block_hash.hex())
+
+    def path_for(self, block_hash: bytes) -> Path:
+        """The path of `block_hash`'s file, for messages and tools (I/O goes through descriptors)."""
+        return self.tier_root / self.relpath_for(block_hash)
 
     def contains(self, block_hash: bytes) -> bool:
-        """Whether a file exists for the block; no side effects (lookups may repeat).
+        """Whether a regular file exists for the block; no side effects (lookups may repeat).
 
         A hit is a promise to try, not a proof: `read_into` still checks everything.
         """
-        return os.path.exists(self.path_for(block_hash))
+        try:
+            st = lstat_at(self._kv_fd, self.relpath_for(block_hash))
+        except (TierFileRefused, OSError):
+            return False
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def touch(self, block_hashes: Iterable[bytes]) -> None:
         """Mark blocks as just used (the LRU clock); blocks that vanished are skipped."""
         for block_hash in block_hashes:
-            self._touch_path(self.path_for(block_hash))
+            used_ns = self._clock_ns()
+            # follow_symlinks=False: a planted link's target is never touched.
+            with contextlib.suppress(OSError, TierFileRefused), parent_dir(
+                self._kv_fd, self.relpath_for(block_hash)
+            ) as (fd, name):
+                os.utime(name, ns=(used_ns, used_ns), dir_fd=fd, follow_symlinks=False)
+
+    def scan(self, max_blocks: int | None = None) -> list[TierBlock]:
+        """The blocks of this identity the tier holds, from a header-only scan (no payload read).
+
+        Each file is opened without following links and only its header (at most 64 KiB) is
+        read; a file that is not regular, unreadable, foreign, damaged or misplaced is left
+        out (`inspect` names those). At most `max_blocks` are returned (None: all).
+        """
+        blocks: list[TierBlock] = []
+        for entry in walk_tier(self._kv_fd, only_digest=self.digest):
+            if entry.kind != "block" or entry.st is None:
+                continue
+            if max_blocks is not None and len(blocks) >= max_blocks:
+                break
+            try:
+                fd, st = open_regular(self._kv_fd, entry.relpath)
+            except TierFileRefused:
+                continue
+            try:
+                header, _ = read_header_fd(fd, st.st_size, entry.relpath)
+                refuse_foreign_header(self.identity, header, what=entry.relpath)
+                if block_relpath(self.digest, header.block_hash) != entry.relpath:
+                    continue
+                blocks.append(TierBlock(bytes.fromhex(header.block_hash), header.num_tokens, st.st_size, st.st_mtime_ns))
+            except (TierFileRefused, OSError, ValueError):
+                continue
+            finally:
+                os.close(fd)
+        return blocks
 
     # -- write
 
@@ -296,8 +327,9 @@ class DiskTier:
 
         `payload` is bytes, a buffer, or a contiguous CPU tensor; it is only read. An
         identical valid file already present is kept and touched. Never raises on I/O
-        failure (full disk, quota, vanished directory): returns False and removes the
-        temporary file. Returns False too when the block alone exceeds the capacity.
+        failure (full disk, quota, vanished directory, a link or directory in the way):
+        returns False and removes the temporary file. Returns False too when the block
+        alone exceeds the capacity.
         """
         data = _as_byte_view(payload, writable=False)
         block_hash_hex = block_hash.hex()
@@ -309,45 +341,50 @@ class DiskTier:
                 "disk tier: block of %d bytes exceeds capacity %d; not stored", file_bytes, self.capacity_bytes
             )
             return False
-        path = self.path_for(block_hash)
-        if self._holds_identical(path, header, data):
-            self._touch_path(path)
+        relpath = self.relpath_for(block_hash)
+        if self._holds_identical(relpath, header, data):
+            self.touch([block_hash])
             return True
-        tmp = path.parent / make_temp_name(path.name)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                _write_all(fd, head)
-                _write_all(fd, data)
-                used_ns = self._clock_ns()
-                os.utime(fd, ns=(used_ns, used_ns))  # the rename keeps it: the LRU clock
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._commit(tmp, path, file_bytes, used_ns)
-        except OSError as e:
-            _unlink_quiet(tmp)
-            log = logger.debug if e.errno in self._warned_errnos else logger.warning
-            self._warned_errnos.add(e.errno)
+            with parent_dir(self._kv_fd, relpath, create=True) as (dir_fd, name):
+                tmp = make_temp_name(name)
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                                 dir_fd=dir_fd)
+                    try:
+                        _write_all(fd, head)
+                        _write_all(fd, data)
+                        used_ns = self._clock_ns()
+                        os.utime(fd, ns=(used_ns, used_ns))  # the rename keeps it: the LRU clock
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    self._commit(dir_fd, tmp, name, relpath, file_bytes, used_ns)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    raise
+        except (OSError, TierFileRefused) as e:
+            code = getattr(e, "errno", None)
+            log = logger.debug if code in self._warned_errnos else logger.warning
+            self._warned_errnos.add(code)
             log("disk tier: could not store block %s: %s", block_hash_hex[:16], e)
             return False
         return True
 
-    def _holds_identical(self, path: Path, header: KVBlockHeader, data: memoryview) -> bool:
-        """Whether `path` already holds exactly these bytes under a compatible header.
+    def _holds_identical(self, relpath: str, header: KVBlockHeader, data: memoryview) -> bool:
+        """Whether `relpath` already holds exactly these bytes under a compatible header.
 
         Compares the payload too, so that a damaged file is rewritten rather than kept: a
         read costs less than a write and its fsync, and stores of present blocks are rare
         (the connector asks `contains` first).
         """
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            fd, st = open_regular(self._kv_fd, relpath)
+        except (OSError, TierFileRefused):
             return False
         try:
-            size = os.fstat(fd).st_size
-            found, offset = read_header_fd(fd, size, str(path))
+            found, offset = read_header_fd(fd, st.st_size, relpath)
             if (
                 identity_differences(header, found)
                 or found.block_hash != header.block_hash
@@ -365,34 +402,54 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def _commit(self, tmp: Path, path: Path, file_bytes: int, used_ns: int) -> None:
+    def _commit(self, dir_fd: int, tmp: str, name: str, relpath: str, file_bytes: int, used_ns: int) -> None:
         """Under the shared lock: make room, rename into place, fsync the directory, count it."""
         with self._ledger_locked() as ledger:
             try:
-                replaced_bytes = os.stat(path).st_size
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                replaced_bytes = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except FileNotFoundError:
                 replaced_bytes = 0
-            self._evict_locked(ledger, room=file_bytes - replaced_bytes, keep=str(path))
-            os.replace(tmp, path)
+            self._evict_locked(ledger, room=file_bytes - replaced_bytes, keep=relpath)
+            # A link in the way is replaced itself; a directory in the way fails the rename.
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             ledger.used_bytes += file_bytes - replaced_bytes
             if self._lru is not None:
-                heapq.heappush(self._lru, (used_ns, str(path), file_bytes))
-        _fsync_dir(path.parent)
+                heapq.heappush(self._lru, (used_ns, relpath, file_bytes))
+        os.fsync(dir_fd)
 
     # -- read
 
     def read_into(self, block_hash: bytes, out: object) -> KVBlockHeader:
         """Read a block into the preallocated `out` after every check passes; touch it.
 
-        Raises TierFileRefused (a KVRefused) naming the reason: missing, foreign format,
-        future format, corrupt header, foreign identity (every differing field named),
-        misplaced, size mismatch, truncated, torn. After a refusal `out` must not be used.
-        Returns the header (its num_tokens tells how much of the block is valid).
+        Raises TierFileRefused (a KVRefused) naming the reason: missing, not a regular file
+        (a link, directory or FIFO: refused without reading it), unreadable (permission
+        denied), foreign format, future format, corrupt header, foreign identity (every
+        differing field named), misplaced, size mismatch, truncated, torn. After a refusal
+        `out` must not be used. Returns the header (its num_tokens tells how much of the
+        block is valid).
         """
-        path = self.path_for(block_hash)
-        header = read_file(path, self.identity, block_hash.hex(), out)
-        self._touch_path(path)
-        return header
+        view = _as_byte_view(out, writable=True)
+        block_hash_hex = block_hash.hex()
+        relpath = self.relpath_for(block_hash)
+        where = f"disk tier block {block_hash_hex[:16]}"
+        try:
+            fd, st = open_regular(self._kv_fd, relpath)
+        except TierFileRefused as e:
+            if e.problem == "missing":
+                raise TierFileRefused("missing", f"{where}: not in the tier (evicted or never written)") from None
+            raise TierFileRefused(e.problem, f"{where}: {self.tier_root}/{e}") from None
+        try:
+            header = _read_payload(fd, st.st_size, self.identity, block_hash_hex, view, where)
+            used_ns = self._clock_ns()
+            with contextlib.suppress(OSError):
+                os.utime(fd, ns=(used_ns, used_ns))  # the file itself, never a link's target
+            return header
+        except OSError as e:
+            raise TierFileRefused("unreadable", f"{where}: {self.tier_root}/{relpath}: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
 
     # -- capacity
 
@@ -431,29 +488,33 @@ class DiskTier:
                 self._rescan_locked(ledger)
                 rescanned = True
                 continue
-            used_ns, path, _ = heapq.heappop(self._lru)
-            if path == keep:
+            used_ns, relpath, _ = heapq.heappop(self._lru)
+            if relpath == keep:
                 continue
             try:
-                st = os.stat(path)
-            except FileNotFoundError:
+                st = lstat_at(self._kv_fd, relpath)
+            except (TierFileRefused, OSError):
+                continue
+            if st is None or not stat.S_ISREG(st.st_mode):
                 continue
             if st.st_mtime_ns != used_ns:
-                heapq.heappush(self._lru, (st.st_mtime_ns, path, st.st_size))
+                heapq.heappush(self._lru, (st.st_mtime_ns, relpath, st.st_size))
                 continue
             try:
-                os.unlink(path)
-            except FileNotFoundError:
+                with parent_dir(self._kv_fd, relpath) as (fd, name):
+                    os.unlink(name, dir_fd=fd)
+            except (FileNotFoundError, TierFileRefused):
                 continue
             ledger.used_bytes -= st.st_size
-            self._note_evicted(path)
+            self._note_evicted(relpath)
 
-    def _note_evicted(self, path: str) -> None:
-        name = os.path.basename(path)
-        if os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(path)))) != self.digest:
+    def _note_evicted(self, relpath: str) -> None:
+        """Remember an evicted block of this identity (`<digest>/<h[:2]>/<h[2:4]>/<h>.kvb` under kv/)."""
+        parts = relpath.split("/")
+        if parts[0] != self.digest or not parts[-1].endswith(BLOCK_SUFFIX):
             return
         try:
-            self._evicted.append(bytes.fromhex(name[: -len(BLOCK_SUFFIX)]))
+            self._evicted.append(bytes.fromhex(parts[-1][: -len(BLOCK_SUFFIX)]))
         except ValueError:
             pass
 
@@ -468,16 +529,15 @@ class DiskTier:
         lru: list[tuple[int, str, int]] = []
         used = 0
         now_s = time.time()
-        for entry, kind in walk_tier(self.tier_root):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if kind == "block":
+        for entry in walk_tier(self._kv_fd):
+            st = entry.st
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue  # links, FIFOs, directories in the way: never counted, never followed
+            if entry.kind == "block":
                 used += st.st_size
-                lru.append((st.st_mtime_ns, entry.path, st.st_size))
-            elif kind == "temp" and is_orphaned_temp(entry.name, st.st_mtime, now_s):
-                _unlink_quiet(entry.path)
+                lru.append((st.st_mtime_ns, entry.relpath, st.st_size))
+            elif entry.kind == "temp" and is_orphaned_temp(entry.name, st.st_mtime, now_s):
+                _unlink_at(self._kv_fd, entry.relpath)
         heapq.heapify(lru)
         ledger.used_bytes = used
         self._lru = lru if self.capacity_bytes else None
@@ -488,7 +548,7 @@ class DiskTier:
         with self._commit_lock:
             fcntl.flock(self._ledger_fd, fcntl.LOCK_EX)
             try:
-                raw = os.pread(self._ledger_fd, 4096, 0)
+                raw = os.pread(self._ledger_fd, _LEDGER_MAX_BYTES, 0)
                 try:
                     ledger = _LEDGER_DECODER.decode(raw)
                 except msgspec.DecodeError:
@@ -516,16 +576,22 @@ class DiskTier:
             self._last_ns = max(time.time_ns(), self._last_ns + 1)
             return self._last_ns
 
-    def _touch_path(self, path: Path) -> None:
-        used_ns = self._clock_ns()
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path, ns=(used_ns, used_ns))
-
 
 def read_ledger(root_dir: Path | str) -> TierLedger | None:
-    """The ledger of a tier, read without locking (for reports); None if absent or unreadable."""
+    """The ledger of a tier, read without locking (for reports); None if absent, unreadable or not a file."""
     try:
-        raw = (Path(root_dir) / TIER_SUBDIR / LEDGER_NAME).read_bytes()
-        return _LEDGER_DECODER.decode(raw)
+        root_fd = open_root_dir(root_dir)
+    except OSError:
+        return None
+    try:
+        fd, _ = open_regular(root_fd, f"{TIER_SUBDIR}/{LEDGER_NAME}")
+    except (OSError, TierFileRefused):
+        return None
+    finally:
+        os.close(root_fd)
+    try:
+        return _LEDGER_DECODER.decode(os.pread(fd, _LEDGER_MAX_BYTES, 0))
     except (OSError, msgspec.DecodeError):
         return None
+    finally:
+        os.close(fd)

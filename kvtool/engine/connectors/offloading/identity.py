@@ -66,6 +66,9 @@ BlockProblem = Literal[
     "foreign_identity",  # written under a different engine config
     "size_mismatch",  # payload length differs from the destination buffer
     "missing",  # the file vanished (evicted by another process)
+    "not_regular",  # a symbolic link, directory, FIFO, socket or device where a file belongs
+    "unreadable",  # permission denied (or another I/O error) opening or reading it
+    "sparse",  # has holes: its size claims bytes that were never written
 ]
 
 
@@ -201,7 +204,7 @@ def make_identity(
     for name, value in (("model_name", model_name), ("hash_algorithm", hash_algorithm), ("engine_id", engine_id)):
         if not value:
             raise ConfigError(f"disk tier identity needs a non-empty {name}")
-    return KVIdentity(
+    identity = KVIdentity(
         format_version=FORMAT_VERSION,
         writer_version=writer_version if writer_version is not None else __version__,
         checksum_algorithm=CHECKSUM_ALGORITHM,
@@ -230,6 +233,15 @@ def make_identity(
         pp_rank=pp_rank,
         engine_id=engine_id,
     )
+    # The header also holds the block hash and checksums: half the limit leaves room for them,
+    # so that whatever this engine writes, it can read back.
+    num_bytes = len(msgspec.json.encode(identity))
+    if num_bytes > MAX_HEADER_BYTES // 2:
+        raise ConfigError(
+            f"disk tier identity is {num_bytes} bytes, more than a block header holds ({MAX_HEADER_BYTES // 2}); "
+            "shorten engine_id or the --model string"
+        )
+    return identity
 
 
 def make_digest(value: object) -> str:

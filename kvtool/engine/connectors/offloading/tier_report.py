@@ -15,12 +15,13 @@ from typing import Literal
 import blake3
 import msgspec
 
-from kvtool.engine.connectors.offloading.disk_tier import (
+from kvtool.engine.connectors.offloading.disk_tier import read_ledger
+from kvtool.engine.connectors.offloading.tier_fs import open_dir_at, open_regular, open_root_dir
+from kvtool.engine.connectors.offloading.tier_layout import (
     TIER_SUBDIR,
-    TierFileKind,
+    TierEntry,
     block_relpath,
     is_orphaned_temp,
-    read_ledger,
     walk_tier,
 )
 from kvtool.engine.connectors.offloading.identity import (
@@ -34,10 +35,12 @@ from kvtool.engine.connectors.offloading.identity import (
     read_header_fd,
     tier_digest,
 )
+from kvtool.engine.errors import ConfigError
 
 # BlockProblem kinds a scan can see, plus the two that only a directory walk finds.
 ProblemKind = Literal[
-    "foreign_format", "future_format", "corrupt", "truncated", "torn", "misplaced", "orphaned_temp", "stray"
+    "foreign_format", "future_format", "corrupt", "truncated", "torn", "misplaced", "orphaned_temp", "stray",
+    "not_regular", "unreadable", "sparse",
 ]
 # (files_done, files_total); called from the scanning thread after each file.
 ProgressFn = Callable[[int, int], None]
@@ -133,14 +136,20 @@ def _identity_key(header: KVBlockHeader) -> _IdentityKey:
     return tuple(getattr(header, f) for f in KVIdentity.__struct_fields__)
 
 
-def _check_block(path: str, relpath: str, verify: bool, digests: dict[_IdentityKey, str]) -> _FileResult:
-    """Header checks for one block file; with `verify` also the payload checksum."""
+def _check_block(kv_fd: int, relpath: str, verify: bool, digests: dict[_IdentityKey, str]) -> _FileResult:
+    """Header checks for one block file; with `verify` also the payload checksum.
+
+    The file is opened without following a link and refused unread unless it is regular;
+    reads never go past its real size, and a file with holes (a sparse file claiming more
+    bytes than were written) is named at once instead of being read through.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return _FileResult(relpath, 0, 0, vanished=True)
+        fd, st = open_regular(kv_fd, relpath)
+    except TierFileRefused as e:
+        if e.problem == "missing":
+            return _FileResult(relpath, 0, 0, vanished=True)
+        return _FileResult(relpath, 0, 0, is_block=True, problem=e.problem, detail=str(e))  # type: ignore[arg-type]
     try:
-        st = os.fstat(fd)
         result = _FileResult(relpath, st.st_size, st.st_mtime_ns, is_block=True)
         try:
             header, offset = read_header_fd(fd, st.st_size, relpath)
@@ -151,6 +160,12 @@ def _check_block(path: str, relpath: str, verify: bool, digests: dict[_IdentityK
             expected = block_relpath(digest, header.block_hash)
             if relpath != expected:
                 raise TierFileRefused("misplaced", f"{relpath}: header says it belongs at {expected}")
+            hole = _first_hole(fd, st.st_size)
+            if hole < st.st_size:
+                raise TierFileRefused(
+                    "sparse",
+                    f"{relpath}: a sparse file: {st.st_size} bytes long but nothing written past byte {hole}",
+                )
             if verify:
                 hasher = blake3.blake3()
                 pos, end = offset, st.st_size
@@ -166,23 +181,38 @@ def _check_block(path: str, relpath: str, verify: bool, digests: dict[_IdentityK
         except TierFileRefused as e:
             result.problem = e.problem  # type: ignore[assignment]
             result.detail = str(e)
+        except OSError as e:
+            result.problem = "unreadable"
+            result.detail = f"{relpath}: {e.strerror or e}"
         return result
     finally:
         os.close(fd)
 
 
-def _check_entry(
-    entry: os.DirEntry, kind: TierFileKind, tier_root: str, verify: bool, now_s: float, digests: dict[_IdentityKey, str]
-) -> _FileResult:
-    relpath = os.path.relpath(entry.path, tier_root)
-    if kind == "block":
-        return _check_block(entry.path, relpath, verify, digests)
+def _first_hole(fd: int, size: int) -> int:
+    """Offset of the first hole of an open file (its size when it has none or the fs cannot say)."""
     try:
-        st = entry.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return _FileResult(relpath, 0, 0, vanished=True)
+        return os.lseek(fd, 0, os.SEEK_HOLE)
+    except OSError:
+        return size
+
+
+def _check_entry(
+    kv_fd: int, entry: TierEntry, verify: bool, now_s: float, digests: dict[_IdentityKey, str]
+) -> _FileResult:
+    relpath = entry.relpath
+    if entry.kind in ("special", "unreadable"):
+        st = entry.st
+        return _FileResult(
+            relpath, st.st_size if st else 0, st.st_mtime_ns if st else 0,
+            problem="not_regular" if entry.kind == "special" else "unreadable", detail=entry.detail,
+        )
+    if entry.kind == "block":
+        return _check_block(kv_fd, relpath, verify, digests)
+    st = entry.st
+    assert st is not None
     result = _FileResult(relpath, st.st_size, st.st_mtime_ns)
-    if kind == "temp":
+    if entry.kind == "temp":
         if is_orphaned_temp(entry.name, st.st_mtime, now_s):
             result.problem = "orphaned_temp"
             result.detail = f"{relpath}: temporary file left by a writer that is gone"
@@ -201,30 +231,49 @@ def scan(root_dir: Path | str, verify: bool = False, progress: ProgressFn | None
     Files are checked in batches on a thread pool (I/O waits and hashing release the GIL);
     `progress(done, total)` is called on the calling thread after each batch. A root with no
     tier in it is an empty report. Files vanishing mid-scan (concurrent eviction) are left out.
+    Links, directories where files belong, FIFOs and devices are reported as `not_regular`
+    and never opened for reading; permission errors as `unreadable`. Raises ConfigError when
+    root_dir itself cannot be opened.
     """
     start = time.perf_counter()
     root = Path(root_dir)
-    tier_root = str(root / TIER_SUBDIR)
-    entries = [(e, k) for e, k in walk_tier(Path(tier_root)) if k != "ledger"]
-    now_s = time.time()
-    digests: dict[_IdentityKey, str] = {}
+    try:
+        root_fd = open_root_dir(root)
+    except OSError as e:
+        raise ConfigError(f"disk tier root {root}: {e.strerror or e}") from None
+    try:
+        kv_fd = open_dir_at(root_fd, TIER_SUBDIR, TIER_SUBDIR)
+    except TierFileRefused as e:
+        os.close(root_fd)
+        if e.problem == "missing":
+            return _aggregate(root, verify, [], {}, time.perf_counter() - start)
+        top = _FileResult(TIER_SUBDIR, 0, 0, problem=e.problem, detail=str(e))  # type: ignore[arg-type]
+        return _aggregate(root, verify, [top], {}, time.perf_counter() - start, prefixed=True)
+    os.close(root_fd)
+    try:
+        entries = [e for e in walk_tier(kv_fd) if e.kind != "ledger"]
+        now_s = time.time()
+        digests: dict[_IdentityKey, str] = {}
 
-    def check_batch(batch: list[tuple[os.DirEntry, TierFileKind]]) -> list[_FileResult]:
-        return [_check_entry(e, k, tier_root, verify, now_s, digests) for e, k in batch]
+        def check_batch(batch: list[TierEntry]) -> list[_FileResult]:
+            return [_check_entry(kv_fd, e, verify, now_s, digests) for e in batch]
 
-    batch_files = _VERIFY_BATCH_FILES if verify else _HEADER_BATCH_FILES
-    batches = [entries[i : i + batch_files] for i in range(0, len(entries), batch_files)]
-    results: list[_FileResult] = []
-    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
-        for batch_results in pool.map(check_batch, batches):
-            results.extend(batch_results)
-            if progress is not None:
-                progress(len(results), len(entries))
+        batch_files = _VERIFY_BATCH_FILES if verify else _HEADER_BATCH_FILES
+        batches = [entries[i : i + batch_files] for i in range(0, len(entries), batch_files)]
+        results: list[_FileResult] = []
+        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+            for batch_results in pool.map(check_batch, batches):
+                results.extend(batch_results)
+                if progress is not None:
+                    progress(len(results), len(entries))
+    finally:
+        os.close(kv_fd)
     return _aggregate(root, verify, results, digests, time.perf_counter() - start)
 
 
 def _aggregate(
-    root: Path, verify: bool, results: list[_FileResult], digests: dict[_IdentityKey, str], elapsed_s: float
+    root: Path, verify: bool, results: list[_FileResult], digests: dict[_IdentityKey, str], elapsed_s: float,
+    prefixed: bool = False,
 ) -> TierReport:
     groups: dict[_IdentityKey, list[_FileResult]] = {}
     problems: list[TierFileProblem] = []
@@ -238,14 +287,14 @@ def _aggregate(
         if r.in_flight:
             in_flight += 1
         elif r.problem is not None:
-            first = r.relpath.split(os.sep, 1)[0]
+            first = r.relpath.split("/", 1)[0]
             problems.append(
                 TierFileProblem(
-                    path=os.path.join(TIER_SUBDIR, r.relpath),
+                    path=r.relpath if prefixed else f"{TIER_SUBDIR}/{r.relpath}",
                     problem=r.problem,
                     detail=r.detail.removeprefix(f"{r.relpath}: "),
                     size_bytes=r.size_bytes,
-                    tier_digest=first if os.sep in r.relpath else None,
+                    tier_digest=first if "/" in r.relpath else None,
                 )
             )
         elif r.header is not None:

@@ -1,0 +1,140 @@
+"""The LMCacheConnector's kv_connector_extra_config: declared keys, ranges, and their checks."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import msgspec
+
+from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
+from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings, check_request_tags
+from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
+from kvtool.engine.connectors.lmcache.store import store_address
+from kvtool.engine.errors import ConfigError, InputError
+
+CONNECTOR = "LMCacheConnector"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 65432
+MAX_CONNECTIONS = 64
+MAX_TIMEOUT_S = 600.0
+# A DNS name is at most 253 characters; an IPv6 literal far less.
+MAX_HOST_CHARS = 253
+_HOST = re.compile(r"[A-Za-z0-9_.\-:%]+")
+
+LMCACHE_KEYS: tuple[ExtraKey, ...] = (
+    ExtraKey(name="host", kind="str", max_len=MAX_HOST_CHARS, doc="default KVTOOL_LMCACHE_HOST or 127.0.0.1"),
+    ExtraKey(name="port", kind="int", low=1, high=65535, doc="default KVTOOL_LMCACHE_PORT or 65432"),
+    ExtraKey(name="remote_url", kind="str", aliases=("lmcache.remote_url",), max_len=4096,
+             doc="the store: lm://HOST:PORT (an alternative to host and port), redis://, rediss://, unix://, "
+                 "redis-cluster://, valkey://"),
+    ExtraKey(name="hash_algo", kind="choice", default="blake3", aliases=("lmcache.pre_caching_hash_algorithm",),
+             choices=tuple(HASH_ALGOS)),
+    ExtraKey(name="chunk_tokens", kind="int", aliases=("lmcache.chunk_size",), low=1, high=1 << 20,
+             doc="default 256 in vllm/builtin mode, the block size in blake3 mode"),
+    ExtraKey(name="model_name", kind="str", max_len=150, doc="default the --model string"),
+    ExtraKey(name="world_size", kind="int", default=1, low=1, high=1 << 16),
+    ExtraKey(name="worker_id", kind="int", default=0, low=0, high=(1 << 16) - 1),
+    ExtraKey(name="kv_dtype", kind="str", max_len=32, doc="default the engine's KV dtype"),
+    ExtraKey(name="offload_prompt_only", kind="bool", default=True),
+    ExtraKey(name="save_unfull_chunk", kind="bool", default=False, aliases=("lmcache.save_unfull_chunk",)),
+    ExtraKey(name="none_hash_seed", kind="str", max_len=32, doc="the peer's PYTHONHASHSEED"),
+    ExtraKey(name="connections", kind="int", default=4, low=1, high=MAX_CONNECTIONS),
+    ExtraKey(name="timeout_s", kind="float", default=10.0, low=0.0, low_open=True, high=MAX_TIMEOUT_S,
+             doc="deadline of one whole lm:// operation (EXIST, GET, PUT and its confirmation, HEALTH)"),
+    ExtraKey(name="lookup_timeout_s", kind="float", default=5.0, low=0.0, low_open=True, high=MAX_TIMEOUT_S,
+             doc="how long a request waits for its lookup before it runs without the hit"),
+    ExtraKey(name="peer_backoff_s", kind="float", default=10.0, low=0.0, high=3600.0,
+             doc="after a missed deadline, how long the peer counts as unhealthy (calls fail fast)"),
+    ExtraKey(name="verify_payload", kind="bool", default=False,
+             doc="store a digest beside each chunk and refuse a chunk whose payload disagrees"),
+    ExtraKey(name="valkey_enable_ttl", kind="bool", default=False, doc="valkey:// only: write every key with an expiry"),
+    ExtraKey(name="valkey_ttl_sec", kind="int", low=1, high=10 * 365 * 86400,
+             doc="that expiry in seconds; default 86400, as LMCache's"),
+)
+
+
+class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kv_connector_extra_config of the LMCacheConnector."""
+
+    host: str | None = None  # default KVTOOL_LMCACHE_HOST or 127.0.0.1
+    port: int | None = None  # default KVTOOL_LMCACHE_PORT or 65432
+    remote_url: str | None = None  # lm://HOST:PORT, an alternative to host/port
+    hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
+    chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
+    model_name: str | None = None  # default the --model string, as vLLM puts it in the key
+    world_size: int = 1
+    worker_id: int = 0
+    kv_dtype: str | None = None  # default the engine's KV dtype
+    offload_prompt_only: bool = True
+    save_unfull_chunk: bool = False
+    none_hash_seed: str | None = None  # the peer's PYTHONHASHSEED; unset = vLLM >= 0.29's default
+    connections: int = 4
+    timeout_s: float = 10.0  # per whole operation
+    lookup_timeout_s: float = 5.0  # a request runs without its hit once its lookup took this long
+    peer_backoff_s: float = 10.0  # a peer that missed a deadline fails fast for this long
+    verify_payload: bool = False  # a digest object beside each chunk (payload_digest.py)
+    valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
+    valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
+
+
+def check_host(host: str, where: str) -> str:
+    """A host name or address, refused with one line if it cannot be one."""
+    if not 1 <= len(host) <= MAX_HOST_CHARS or not _HOST.fullmatch(host):
+        shown = host if len(host) <= 40 else host[:37] + "..."
+        raise ConfigError(
+            f"{where}: host {shown!r} is not a host name or address (1 to {MAX_HOST_CHARS} characters "
+            "of letters, digits, '.', '-', ':')"
+        )
+    return host
+
+
+def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int) -> tuple[LMCacheSettings, LMCacheKeySettings]:
+    """Decode and check the extra config; the settings and the key settings they imply.
+
+    Raises ConfigError (one line naming the key) for an unknown key, a value outside its
+    range, a bad remote_url or host, or a chunk size that is not a multiple of the block size.
+    """
+    where = f"invalid {CONNECTOR} config"
+    s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
+    if s.remote_url:
+        # Every scheme is checked here (store.py); lm:// also fills host and port.
+        address = store_address(s.remote_url, save_unfull_chunk=s.save_unfull_chunk,
+                                valkey_enable_ttl=s.valkey_enable_ttl, valkey_ttl_sec=s.valkey_ttl_sec)
+        if address.scheme == "lm":
+            (host, port), = address.nodes
+            s = msgspec.structs.replace(s, host=host, port=port)
+    elif s.valkey_enable_ttl or s.valkey_ttl_sec is not None:
+        raise ConfigError(f"{where}: valkey_enable_ttl / valkey_ttl_sec need a valkey:// remote_url")
+    host = check_host(s.host or os.environ.get("KVTOOL_LMCACHE_HOST") or DEFAULT_HOST, where)
+    env_port = os.environ.get("KVTOOL_LMCACHE_PORT")
+    if s.port is not None:
+        port = s.port
+    elif env_port:
+        if not env_port.isdigit() or not 1 <= int(env_port) <= 65535:
+            raise ConfigError("KVTOOL_LMCACHE_PORT is not a port number (1 to 65535)")
+        port = int(env_port)
+    else:
+        port = DEFAULT_PORT
+    algo = "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
+    chunk = s.chunk_tokens or (block_size if algo == "blake3" else 256)
+    if chunk % block_size:
+        raise ConfigError(f"{where}: chunk_tokens {chunk} is not a multiple of the block size {block_size}")
+    if s.worker_id >= s.world_size:
+        raise ConfigError(f"{where}: worker_id {s.worker_id} must be below world_size {s.world_size}")
+    key_settings = LMCacheKeySettings(
+        model_name=s.model_name or model_name,
+        world_size=s.world_size,
+        worker_id=s.worker_id,
+        kv_dtype=s.kv_dtype or kv_dtype,
+        chunk_tokens=chunk,
+        hash_algo=algo,
+        none_hash_seed=s.none_hash_seed,
+        save_unfull_chunk=s.save_unfull_chunk,
+    )
+    if s.verify_payload:
+        try:  # the digest's key is the chunk's with one more tag: the longest must still fit
+            check_request_tags({DIGEST_TAG[0]: DIGEST_TAG[1]}, key_settings)
+        except InputError as e:
+            raise ConfigError(f"{where}: verify_payload: {e}") from None
+    return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings

@@ -1,0 +1,79 @@
+"""The OffloadingConnector's kv_connector_extra_config: declared keys, ranges, and their checks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
+from kvtool.engine.errors import ConfigError
+from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
+
+CONNECTOR = "OffloadingConnector"
+MAX_OFFLOAD_BLOCK_TOKENS = 1 << 20
+MAX_CPU_BLOCKS = 1 << 31
+MAX_PATH_CHARS = 4096
+
+OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
+    ExtraKey(name="root_dir", kind="str", max_len=MAX_PATH_CHARS,
+             doc="the disk tier's directory; without it the connector is CPU-only"),
+    ExtraKey(name="cpu_bytes_to_use", kind="size", low=1, high=MAX_SIZE_BYTES,
+             doc="bytes of the CPU tier (default 1 GiB unless num_cpu_blocks is set)"),
+    ExtraKey(name="num_cpu_blocks", kind="int", low=1, high=MAX_CPU_BLOCKS,
+             doc="offload blocks of the CPU tier, instead of cpu_bytes_to_use"),
+    ExtraKey(name="fs_capacity_bytes", kind="size", default=0, low=0, high=MAX_SIZE_BYTES,
+             doc="most bytes of block files under root_dir; 0 = unlimited"),
+    ExtraKey(name="eviction_policy", kind="choice", default="lru", choices=("lru",)),
+    ExtraKey(name="offload_block_tokens", kind="int", aliases=("block_size",), low=1, high=MAX_OFFLOAD_BLOCK_TOKENS,
+             doc="tokens per offload block, a multiple of the engine block size (default: the block size)"),
+    ExtraKey(name="offload_prompt_only", kind="bool", default=True),
+    ExtraKey(name="group_idx", kind="int", default=0, low=0, high=0,
+             doc="the KV-cache group; this engine has one"),
+    ExtraKey(name="layerwise", kind="bool", default=False,
+             doc="on CUDA, load and save layer by layer during the forward"),
+    # vLLM's name of the offloading spec; kvtool implements the CPU (+ disk) one.
+    ExtraKey(name="spec_name", kind="choice", default="CPUOffloadingSpec", choices=("CPUOffloadingSpec",)),
+)
+
+
+class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kv_connector_extra_config of the OffloadingConnector (vLLM's keys where vLLM has them)."""
+
+    root_dir: str | None = None  # the disk tier; without it the connector is CPU-only
+    cpu_bytes_to_use: int | None = None
+    num_cpu_blocks: int | None = None
+    fs_capacity_bytes: int = 0  # 0 = unlimited
+    eviction_policy: Literal["lru"] = "lru"
+    offload_block_tokens: int | None = None  # a multiple of the engine block size
+    offload_prompt_only: bool = True
+    group_idx: int = 0
+    # kvtool's key: on CUDA, load and save layer by layer during the forward when the device can
+    # address the pinned pool (a step's save goes layer by layer from LAYERWISE_MIN_BLOCKS blocks).
+    layerwise: bool = False
+    spec_name: str = "CPUOffloadingSpec"
+
+
+def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int | None = None) -> OffloadingSettings:
+    """Decode and check the extra config; refuses unknown keys and values outside their range.
+
+    With `kv_bytes_per_block` (bytes of one engine block of KV) the CPU tier's size is also
+    checked against the machine's memory, before anything is allocated. Raises ConfigError
+    with one line naming the key.
+    """
+    values = parse_extra(CONNECTOR, OFFLOADING_KEYS, extra)
+    s = OffloadingSettings(**values)  # type: ignore[arg-type]
+    obt = s.offload_block_tokens or engine_block_size
+    if obt % engine_block_size:
+        raise ConfigError(
+            f"invalid {CONNECTOR} config: offload_block_tokens {obt} is not a multiple of "
+            f"the block size {engine_block_size}; round it up to {-(-obt // engine_block_size) * engine_block_size}"
+        )
+    if s.cpu_bytes_to_use is not None:
+        check_fits_memory(f"{CONNECTOR} cpu_bytes_to_use", s.cpu_bytes_to_use)
+    if s.num_cpu_blocks is not None and kv_bytes_per_block is not None:
+        blocks_per_slot = obt // engine_block_size
+        check_fits_memory(
+            f"{CONNECTOR} num_cpu_blocks {s.num_cpu_blocks}", s.num_cpu_blocks * blocks_per_slot * kv_bytes_per_block
+        )
+    return msgspec.structs.replace(s, offload_block_tokens=obt)

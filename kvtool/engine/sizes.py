@@ -1,0 +1,89 @@
+"""Byte sizes as vLLM's human-readable integers, and a check against the machine's memory.
+
+`parse_size` reads what vLLM's `human_readable_int` reads: a plain integer, or a number with a
+one-letter suffix where lower case is decimal and upper case is binary:
+
+    k = 10**3   m = 10**6   g = 10**9   t = 10**12      ("1.5g" = 1_500_000_000)
+    K = 2**10   M = 2**20   G = 2**30   T = 2**40       ("2G" = 2_147_483_648; no decimals)
+
+The text is bounded (at most 24 characters, at most 2**60 bytes), so a number of a thousand
+digits is a one-line refusal instead of an overflow.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kvtool.engine.errors import ConfigError
+
+MAX_SIZE_BYTES = 1 << 60
+_MAX_TEXT = 24
+_SIZE = re.compile(r"(\d{1,19})(?:\.(\d{1,9}))?([kKmMgGtT]?)")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """`"8G"` -> 8 * 2**30, `"80m"` -> 80 * 10**6, `"1.5g"` -> 1.5e9, `"123"` -> 123.
+
+    Raises ConfigError (one line) for anything else: decimals with a binary suffix or without
+    a suffix, signs, spaces inside, more than 24 characters, more than 2**60 bytes.
+    """
+    stripped = text.strip()
+    shown = stripped if len(stripped) <= 40 else stripped[:37] + "..."
+    match = _SIZE.fullmatch(stripped) if len(stripped) <= _MAX_TEXT else None
+    if not match:
+        raise ConfigError(f"not a size: {shown!r} (use e.g. 1024, 80m or 8G)")
+    whole, frac, suffix = match.groups()
+    if frac is not None and suffix not in _DECIMAL:
+        if suffix:
+            raise ConfigError(
+                f"decimals are not allowed with binary suffixes: {shown!r}; did you mean {whole}.{frac}{suffix.lower()}?"
+            )
+        raise ConfigError(f"not an integer: {shown!r}")
+    mult = _DECIMAL.get(suffix) or _BINARY.get(suffix) or 1
+    value = int(whole) * mult
+    if frac is not None:
+        value += int(frac) * mult // 10 ** len(frac)
+    if value > MAX_SIZE_BYTES:
+        raise ConfigError(f"size {shown!r} is more than {format_bytes(MAX_SIZE_BYTES)}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """`2147483648` -> `2 GiB (2147483648 bytes)`; below 1024 the plain number."""
+    n = int(n)
+    if n < 1024:
+        return str(n)
+    size, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.4g} {unit} ({n} bytes)"
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine, or the cgroup limit when that is lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def check_fits_memory(what: str, num_bytes: int) -> None:
+    """Refuse, before allocating, a host allocation larger than the machine's memory.
+
+    Raises ConfigError naming `what`, the size and the memory.
+    """
+    total = machine_memory_bytes()
+    if num_bytes > total:
+        raise ConfigError(
+            f"{what} of {format_bytes(num_bytes)} does not fit this machine's memory of {format_bytes(total)}"
+        )
