@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, Union
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from kvtool.engine.connectors.lmcache.protocol import parse_lm_url
 from kvtool.engine.connectors.lmcache.wire import ChunkHeader
 from kvtool.engine.errors import ConfigError, KVToolError
 
@@ -126,9 +127,14 @@ def parse_store_url(url: str, environ: dict | None = None) -> StoreAddress:
         password = env.get(PASSWORD_ENV) or None
     if scheme == "lm" and userinfo:
         raise ConfigError("remote_url lm:// takes no user or password")
+    if scheme == "lm":  # LMCache's own URL rules (protocol.py)
+        return StoreAddress(scheme, (parse_lm_url(url),))
     where = f"{scheme}://{hostpart}"
     if scheme == "unix":
-        parts = urlsplit("unix://" + hostpart)
+        try:
+            parts = urlsplit("unix://" + hostpart)
+        except ValueError:
+            raise ConfigError(f"remote_url {where!r} is not a unix:// URL") from None
         if not parts.path:
             raise ConfigError(f"remote_url {where!r} names no socket path")
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
