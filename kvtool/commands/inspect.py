@@ -83,21 +83,13 @@ def run_inspect(root_dir: Path, *, verify: bool, json: bool, identity: KVIdentit
 def identity_for_model_dir(model_dir: Path, engine: EngineParams) -> KVIdentity:
     """The disk-tier identity an engine for `model_dir` with `engine`'s flags would write under.
 
-    Raises ConfigError when the engine cannot compute identities in this build, and the
-    engine's own errors (ModelError, ConfigError) for a bad model dir or flags.
+    Raises the engine's own errors (ModelError, ConfigError) for a bad model dir or flags.
     """
-    try:
-        from kvtool.engine.engine import identity_for_model
-    except ImportError as e:
-        if e.name != "kvtool.engine.engine":
-            raise
-        raise ConfigError("--model needs kvtool.engine.engine.identity_for_model, which this build lacks") from None
-    identity = identity_for_model(model_dir, engine)
-    if isinstance(identity, KVIdentity):
-        return identity
-    # The engine's identity; the tier's adds the offload block size from the connector config.
     from kvtool.engine.connectors.offloading.connector import disk_identity, parse_settings
+    from kvtool.engine.identity import identity_for_model
 
+    # The engine's identity; the tier's adds the offload block size from the connector config.
+    identity = identity_for_model(model_dir, engine)
     extra = dict(engine.kv_transfer_config.kv_connector_extra_config) if engine.kv_transfer_config else {}
     settings = parse_settings(extra, engine.block_size)
     return disk_identity(identity, settings.offload_block_tokens)

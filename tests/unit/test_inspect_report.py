@@ -5,8 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
-import types
 from pathlib import Path
 
 import msgspec
@@ -172,31 +170,22 @@ def test_cli_verify_json_exits_1_on_damage(tmp_path: Path) -> None:
     assert isinstance(result.exception, ConfigError)
 
 
-def test_cli_model_asks_the_engine_for_its_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_model_names_what_that_model_could_load(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """--model computes the identity the engine would write under (no engine is built) and
+    marks that identity's group loadable, every other one not."""
     fill_tier(tmp_path / "tier")
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    calls: list[tuple[Path, EngineParams]] = []
-
-    def identity_for_model(path: Path, params: EngineParams) -> KVIdentity:
-        calls.append((path, params))
-        return B
-
-    fake_engine = types.SimpleNamespace(identity_for_model=identity_for_model)
-    monkeypatch.setitem(sys.modules, "kvtool.engine.engine", fake_engine)
-    args = [str(tmp_path / "tier"), "--model", str(model_dir), "--block-size", "8", "--json"]
+    params = EngineParams(model=str(tiny_model_dir), block_size=8, device="cpu", load_format="dummy")
+    own = identity_for_model_dir(tiny_model_dir, params)
+    assert own.block_size == 8 and own.model_name == str(tiny_model_dir)
+    with DiskTier(tmp_path / "tier", own) as tier:
+        assert tier.write(bytes([9]) * 32, 8, torch.zeros(own.offload_block_bytes // 4, dtype=torch.float32))
+    args = [str(tmp_path / "tier"), "--model", str(tiny_model_dir), "--block-size", "8", "--device", "cpu",
+            "--load-format", "dummy", "--json"]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
-    assert calls[0][0] == model_dir and calls[0][1].block_size == 8
     verdicts = {v["tier_digest"]: v for v in json.loads(result.stdout)["loadability"]}
-    assert verdicts[tier_digest(B)]["loadable"] is True
-    assert verdicts[tier_digest(A)]["loadable"] is False
-
-
-def test_model_without_an_engine_hook_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvtool.engine.engine", None)
-    with pytest.raises(ConfigError, match="identity_for_model"):
-        identity_for_model_dir(tmp_path, EngineParams(model=str(tmp_path)))
+    assert verdicts[tier_digest(own)]["loadable"] is True
+    assert verdicts[tier_digest(A)]["loadable"] is False and verdicts[tier_digest(B)]["loadable"] is False
 
 
 def test_headers_only_scan_leaves_payload_checks_to_verify(tmp_path: Path) -> None:
