@@ -101,7 +101,7 @@ class LLMEngine:
             kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
         )
         self.runner = ModelRunner(
-            self.model, self.kv_pages, self.device, params.seed, worker_half, max_model_len=self.max_model_len,
+            self.model, self.kv_pages, self.device, worker_half, max_model_len=self.max_model_len,
             use_cuda_graphs=not params.enforce_eager, backend=params.attention_backend,
         )
         self.worker_connector = worker_half

@@ -143,7 +143,6 @@ class ModelRunner:
         model: nn.Module,
         kv_pages: KVPages,
         device: torch.device,
-        seed: int,
         connector: WorkerHalf | None = None,
         use_cuda_graphs: bool = True,
         use_fused_ops: bool = True,
