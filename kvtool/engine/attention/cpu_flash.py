@@ -67,7 +67,7 @@ class _Prefill:
 class _DecodeGroup:
     rows: torch.Tensor  # [B] long: rows of q
     block_table: torch.Tensor  # [B * L / block_size] long, 0 past each sequence's blocks
-    past_context: torch.Tensor  # [B, L, 1, 1] bool: slots to zero after the gather
+    past_context: torch.Tensor  # flat slots (of [B * L]) at or past each context: zeroed after the gather
     mask: torch.Tensor  # [B, 1, 1, L]
     num_keys: int  # L (the buffers may hold a few more: whole pages)
     queries: torch.Tensor  # [B, Hkv, padded group size, D], zero past the group's heads
@@ -127,12 +127,12 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
             table[i, : s.block_ids.numel()] = s.block_ids
         ctx = torch.tensor([s.ctx_len for s in seqs], device=dev)
         slots = torch.arange(width * bs, device=dev)
-        past = slots[None, :] >= ctx[:, None]
+        past = (slots[None, :] >= ctx[:, None]).view(-1).nonzero().view(-1)
         b = len(seqs)
         decodes.append(_DecodeGroup(
             rows=torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=dev),
             block_table=table.view(-1),
-            past_context=past[:, :, None, None],
+            past_context=past,
             mask=_causal_mask(ctx - 1, n_keys, dtype)[:, None, None, :],
             num_keys=n_keys,
             queries=torch.zeros((b, hkv, _round_up(group, ROW_MULTIPLE), d), dtype=dtype, device=dev),
@@ -192,8 +192,9 @@ def cpu_flash_attention(
         shape = (g.block_table.numel(), k_pages.shape[1], hkv, d)
         torch.index_select(k_pages, 0, g.block_table, out=g.keys.view(shape))
         torch.index_select(v_pages, 0, g.block_table, out=g.values.view(shape))
-        g.keys.masked_fill_(g.past_context, 0)
-        g.values.masked_fill_(g.past_context, 0)
+        # Slots past a context hold whatever the pages had there (maybe not even numbers).
+        g.keys.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
+        g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
         g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
         k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
         o = _flash(g.queries, k4, v4, g.mask, scale)  # [B, Hkv, Gp, D]
