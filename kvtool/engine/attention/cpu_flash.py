@@ -5,21 +5,23 @@ The kernel (`aten._scaled_dot_product_flash_attention_for_cpu`) walks the keys i
 with an online softmax, and hands each block to BLAS in tiles of query rows. A query row's bits
 then depend on three things only, which this module fixes:
 
-* **its key blocks**: a row at absolute position p always attends keys [0, KEY_BLOCK * (p //
-  KEY_BLOCK + 1)), padded with zeros past the context and masked past p. Every block is a whole
-  512 keys, so the softmax and the P @ V reductions always run over the same lengths; a row's
-  result does not depend on the context length of its step, the chunk it is in, or a prefix hit.
+* **its keys**: a row at absolute position p always attends the same number of keys,
+  `key_length(p)` (p + 1 rounded up to 64 below KEY_BLOCK, to 256 from there),
+  padded with zeros past the context and masked past p. The kernel then splits them into the
+  same blocks and runs the softmax and P @ V reductions over the same lengths, whatever the
+  context length of the step, the chunk the row is in, or the size of a prefix hit.
 * **the tile of rows BLAS sees**: BLAS computes 1 to 3 columns with other kernels than 4 or
   more, so every call gets a row count that is a multiple of ROW_MULTIPLE (padded with zero
   rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then multiples of it too.
 * **the batch**: each (batch, head, row tile) item is computed alone, one thread each, so a
   sequence's rows come out the same whatever else is in the call.
 
-Prefill rows go through in tiles aligned to KEY_BLOCK positions (rows of tile j attend j + 1 key
-blocks), with the grouped-query heads of one KV head as the batch dimension, so q, K and V are
-views. Decode rows (one new token) are batched: sequences whose key length rounds to the same
-multiple of KEY_BLOCK share one call, a sequence's query heads of one KV head as its rows.
-`tests/unit/test_cpu_attention.py` checks the rows bit for bit against each other.
+Prefill rows go through in tiles of the rows with one key length (64 positions below KEY_BLOCK,
+256 from there: close to causal cost), with the grouped-query heads of one KV head as the
+batch dimension, so q, K and V are views. Decode rows (one new token) are batched: sequences
+whose last row has the same key length share one call, a sequence's query heads of one KV head
+as its rows.
+`tests/integration/test_cpu_identity.py` checks tokens and logprobs bit for bit end to end.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import torch
 from kvtool.engine.attention.context import AttentionMetadata, SeqSpan
 
 KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
+# Key-length steps below KEY_BLOCK and from there (multiples of every CPU vector width). Finer
+# steps waste fewer masked keys; coarser ones put more decode sequences into one call.
+SHORT_STEP, LONG_STEP = 64, 256
 ROW_MULTIPLE = 4  # BLAS row (column) counts below 4 take other code paths
 _PLAN_KEY = "cpu_flash_plan"
 
@@ -40,8 +45,10 @@ def _round_up(n: int, m: int) -> int:
 
 
 def key_length(position: int) -> int:
-    """Keys a row at absolute `position` attends, padding included: whole KEY_BLOCKs up to it."""
-    return (position // KEY_BLOCK + 1) * KEY_BLOCK
+    """Keys a row at absolute `position` attends, padding included; also the end (exclusive) of
+    the positions that share that length."""
+    step = SHORT_STEP if position < KEY_BLOCK else LONG_STEP
+    return (position // step + 1) * step
 
 
 @dataclass(slots=True)
