@@ -6,8 +6,12 @@ every sequence of the batch, and returns [T, Hq * D].
 
 The backend is chosen once from data (`select_backend`: device, dtype, head_dim, whether Triton
 imports); the runner then builds the step's metadata for that backend, and
-`attend` follows the metadata: a `device_batch` means the CUDA kernels, none means the
-reference (gather + SDPA per sequence, CPU and CUDA).
+`attend` follows the metadata: a `device_batch` means the CUDA kernels; none means torch's
+flash kernel on CPU (`cpu_flash`), or the reference (gather + SDPA per sequence) elsewhere.
+
+On CPU the model may pad the step to a multiple of ROW_MULTIPLE rows (BLAS computes fewer rows
+with other kernels, see `cpu_flash`); rows past the step's tokens are never stored and attend to
+nothing.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from kvtool.engine.attention.context import (
     attention_context,
     current_metadata,
 )
+from kvtool.engine.attention.cpu_flash import ROW_MULTIPLE, cpu_flash_attention
 from kvtool.engine.attention.reference import paged_attention_reference
 
 __all__ = [
     "AttentionMetadata",
     "DeviceBatch",
     "PrefillBatch",
+    "ROW_MULTIPLE",
     "SeqSpan",
     "attention_context",
     "attend",
@@ -65,8 +71,12 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if meta.device_batch is not None:
         out = _cuda_attention(meta, layer, q, k, v, scale)
     else:
-        meta.kv_pages.write(layer, k, v, meta.slot_block_ids, meta.slot_offsets)
-        out = paged_attention_reference(meta, layer, q, scale)
+        n = meta.slot_block_ids.numel()
+        meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
+        if q.device.type == "cpu" and meta.kv_pages.tensor.dtype == q.dtype:
+            out = cpu_flash_attention(meta, layer, q, k, v, scale)
+        else:
+            out = paged_attention_reference(meta, layer, q, scale)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], -1)

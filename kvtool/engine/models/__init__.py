@@ -48,7 +48,8 @@ def build_model(
 
     load_format "auto" reads the directory's safetensors (a ModelDir is required); "dummy" fills
     every parameter with random values made on `device` from a generator seeded with `seed`, so
-    the same seed on the same device gives the same model. Raises ModelError for an unsupported
+    the same seed on the same device gives the same model. On CPU the model runs the fused
+    forwards of `cpu_fused`. Raises ModelError for an unsupported
     architecture or any weight-file problem (one line naming the file and tensor).
     """
     config = source.config if isinstance(source, ModelDir) else source
@@ -69,6 +70,10 @@ def build_model(
             _load_safetensors(source.path, config, params, device)
         else:
             raise ModelError(f"unknown load format {load_format!r} (auto or dummy)")
+    if device.type == "cpu":
+        from kvtool.engine.models.cpu_fused import apply_cpu_fusion
+
+        apply_cpu_fusion(model)
     return model
 
 

@@ -3,6 +3,11 @@ and the decoder skeleton that each model file fills with its own attention.
 
 Every operation follows transformers' reference order (float32 norm statistics, cos/sin in float32
 then cast, `x * cos + rotate_half(x) * sin`) so float32 logits match it to rounding.
+
+On CPU a forward and the logits run on a multiple of ROW_MULTIPLE rows (zero-id padding rows,
+dropped from the result): BLAS computes 1 to 3 rows, and with threads 5 to 7 or 9 to 11, with other
+kernels than the same rows inside a larger batch, so without it a request's bits would depend on
+how many requests it is batched with.
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtool.engine.attention import ROW_MULTIPLE
 from kvtool.engine.model_dir import ModelConfig
+
+
+def pad_rows_on_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of ROW_MULTIPLE along dim 0, on CPU; x elsewhere."""
+    extra = -x.shape[0] % ROW_MULTIPLE
+    if x.device.type != "cpu" or not extra:
+        return x
+    return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
 
 
 class Embedding(nn.Module):
@@ -132,11 +146,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden]."""
+        n = input_ids.shape[0]
+        input_ids, positions = pad_rows_on_cpu(input_ids), pad_rows_on_cpu(positions)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.norm(h)
+        return self.norm(h)[:n]
 
 
 class CausalLM(nn.Module):
@@ -163,4 +179,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]].float()

@@ -1,0 +1,87 @@
+"""Fused forwards for a model on CPU: one GEMM for q/k/v and one for gate/up, torch's fused
+RMSNorm, and one rotation for q and k together.
+
+`build_model` applies them to a model built on CPU. Every parameter keeps its name and shape
+(the fused weights are concatenations, and each projection's parameter is re-pointed at its
+slice, so nothing is duplicated). Every operation is per row, so a row's bits still do not depend
+on the rows computed with it; they differ from the plain modules' by rounding only (float32
+logits stay within tests/integration/test_logits_vs_hf.py's tolerance of transformers').
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtool.engine.attention import attend
+from kvtool.engine.models.layers import GatedMLP, RMSNorm
+from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.qwen3 import Qwen3Attention
+
+
+def _concat(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """The linears' weights (or biases) concatenated along the output dim; each linear's
+    parameter becomes a view of its slice."""
+    parts = [getattr(m, attr) for m in linears]
+    if parts[0] is None:
+        return None
+    whole = torch.cat([p.data for p in parts], dim=0)
+    at = 0
+    for m, p in zip(linears, parts):
+        setattr(m, attr, nn.Parameter(whole[at : at + p.shape[0]], requires_grad=False))
+        at += p.shape[0]
+    return whole
+
+
+def _rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, D] (half-split convention), in fewer passes than
+    layers.apply_rotary: the rotated half is built in place of a concatenation."""
+    half = x.shape[-1] // 2
+    rotated = torch.empty_like(x)
+    torch.neg(x[..., half:], out=rotated[..., :half])
+    rotated[..., half:] = x[..., :half]
+    rotated.mul_(sin[:, None, :])
+    return torch.addcmul(rotated, x, cos[:, None, :])
+
+
+def _attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    t, d = x.shape[0], self.head_dim
+    hq, hkv = self.num_heads, self.num_kv_heads
+    qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+    v = qkv[:, hq + hkv :]
+    if isinstance(self, Qwen3Attention):
+        q = _rotate(self.q_norm(qkv[:, :hq]), cos, sin)
+        k = _rotate(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)
+    else:
+        qk = _rotate(qkv[:, : hq + hkv], cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+    return self.o_proj(attend(self.layer_idx, q, k, v, self.scale))
+
+
+def _mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    gate_up = F.linear(x, self.gate_up_weight)
+    n = gate_up.shape[1] // 2
+    gate = F.silu(gate_up[:, :n])
+    return self.down_proj(gate.mul_(gate_up[:, n:]))
+
+
+def apply_cpu_fusion(model: nn.Module) -> None:
+    """Route the model's norms, attention projections and MLPs to the fused forwards above."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = types.MethodType(_rms_forward, module)
+        elif isinstance(module, GatedMLP):
+            module.gate_up_weight = _concat([module.gate_proj, module.up_proj], "weight")
+            module.forward = types.MethodType(_mlp_forward, module)
+        elif isinstance(module, LlamaAttention):
+            projections = [module.q_proj, module.k_proj, module.v_proj]
+            module.qkv_weight = _concat(projections, "weight")
+            module.qkv_bias = _concat(projections, "bias")
+            module.forward = types.MethodType(_attention_forward, module)
