@@ -253,7 +253,7 @@ def section_hit():
     for n in lengths:
         p = tokens(n + 1, 1000 + n)  # n tokens in whole 256-token chunks are hits; 1 is computed
         engine.generate([p], one)
-        worker.flush()
+        engine.flush_connector()
         ttfts, rates = [], []
         for _ in range(4):
             before = engine.stats()
@@ -272,7 +272,7 @@ def section_hit():
     for n in ((8192,) if QUICK else (8192, 32768)):
         base = tokens(n // 2, 5000 + n)
         engine.generate([base + [1]], one)
-        worker.flush()
+        engine.flush_connector()
         for layerwise in (False, True):
             worker.layerwise = layerwise
             times = []
@@ -300,7 +300,7 @@ def section_hit():
             for rep in range(4):
                 t0 = time.perf_counter()
                 r = engine.generate([tokens(n, 7000 + n + rep + 10 * layerwise)], one)[0]
-                worker.flush()
+                engine.flush_connector()
                 stored.append((time.perf_counter() - t0) * 1e3)
                 ttfts.append(r.stats.ttft_s * 1e3)
                 assert r.stats.num_external_stored_tokens == n // 256 * 256, r.stats

@@ -18,6 +18,7 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash
 from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
+from kvtool.engine.messages import KVConnectorOutput
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.request import Request, RequestStatus
@@ -359,9 +360,17 @@ class LLMEngine:
         return s
 
     def flush_connector(self) -> None:
-        """Wait until the connector's background stores (disk writes, remote PUTs) have landed."""
-        if self.worker_connector is not None:
-            self.worker_connector.flush()
+        """Wait until the connector's background stores (disk writes, remote PUTs) have landed,
+        and tell the scheduler half what finished (so the tier slots they held are free now, not
+        after the next step)."""
+        if self.worker_connector is None:
+            return
+        self.worker_connector.flush()
+        if self._in_flight is not None or self.scheduler_connector is None:
+            return  # the step in flight reports them
+        completions = self.worker_connector.take_completions()
+        if completions is not None:
+            self.scheduler_connector.update_connector_output(KVConnectorOutput(completions=completions))
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.pool.reset_prefix_cache()

@@ -136,3 +136,15 @@ def test_two_processes_share_one_root_dir(tiny_model_dir, cli_env, tmp_path):
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert len(_tier_files(root)) == 3 * (300 // 16)
     assert not [x for x in root.rglob("*") if x.is_file() and ".tmp" in x.name]
+
+
+def test_flush_frees_the_tier_slots_its_stores_held(make_engine, tmp_path):
+    """Store jobs pin their CPU slots until the worker reports them done (after the disk write):
+    flush_connector() reports them at once, so the next request finds every slot free again."""
+    engine = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(tmp_path / "tier", num_cpu_blocks=4)))
+    first = engine.generate([prompt(70, seed=1)], GREEDY)[0]
+    assert first.stats.num_external_stored_tokens == 64
+    engine.flush_connector()
+    assert engine.scheduler_connector.slots.num_pinned == 0
+    second = engine.generate([prompt(70, seed=2)], GREEDY)[0]
+    assert second.stats.num_external_stored_tokens == 64  # all four slots were free for it
