@@ -142,9 +142,10 @@ def test_flush_frees_the_tier_slots_its_stores_held(make_engine, tmp_path):
     """Store jobs pin their CPU slots until the worker reports them done (after the disk write):
     flush_connector() reports them at once, so the next request finds every slot free again."""
     engine = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(tmp_path / "tier", num_cpu_blocks=4)))
-    first = engine.generate([prompt(70, seed=1)], GREEDY)[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0)  # ends in the step that stores: no later step reports
+    first = engine.generate([prompt(70, seed=1)], one)[0]
     assert first.stats.num_external_stored_tokens == 64
     engine.flush_connector()
     assert engine.scheduler_connector.slots.num_pinned == 0
-    second = engine.generate([prompt(70, seed=2)], GREEDY)[0]
+    second = engine.generate([prompt(70, seed=2)], one)[0]
     assert second.stats.num_external_stored_tokens == 64  # all four slots were free for it
