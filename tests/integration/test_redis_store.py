@@ -240,7 +240,17 @@ def test_cluster_master_killed_mid_run(make_engine, own_redis_cluster, policy):
         original()
 
     worker.start_load_kv = kill_then_load
-    out = engine.generate(prompts, GREEDY)
+    # Lookups run on the scheduler half's own thread: let every one of them answer first, so the
+    # kill falls between all lookups and all loads.
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    half = engine.scheduler_connector
+    deadline = time.monotonic() + 30
+    while any(half.get_num_new_matched_tokens(engine._requests[i], 0)[0] is None for i in ids):
+        assert time.monotonic() < deadline, "lookups did not answer"
+        time.sleep(0.01)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = [engine.pop_result(i) for i in ids]
     for r, hit, expected in zip(out, affected, ref):
         if policy == "recompute" or not hit:
             assert r.finish_reason == "length" and r.output_token_ids == expected.output_token_ids, (affected, [x.error for x in out])
