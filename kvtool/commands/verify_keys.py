@@ -249,8 +249,9 @@ def verify_keys(
     --json prints a list of {"start", "end", "key"} objects, one per chunk. --against-lmcache
     adds "lmcache_key" and "agrees"; --peer adds "present", "shape", "dtype", "fits" and
     "problem"; a token file of several sequences (JSON Lines) adds "sequence". A held chunk
-    fits when it is KV_2LTD [2, layers, tokens, KV heads x head_dim] of --model, with
-    --kv-dtype's element size (--world-size N: N-way tensor parallel, 1/N of the KV heads).
+    fits when it is KV_2LTD [2, layers, tokens, KV heads x head_dim] of --model in --kv-dtype
+    itself (not only its element size), with the KV heads of rank --worker-id of an N-way
+    tensor-parallel writer under --world-size N (its head shard, as the engine splits them).
 
     Exit status: 0 when every key equals LMCache's and every held chunk fits; 1 when a key
     differs or a held chunk does not fit; 2 for bad usage or input, including a --peer server
@@ -309,7 +310,7 @@ def verify_keys(
         from kvtool.engine.connectors.lmcache.probe import make_chunk_geometry, probe_chunks
         from kvtool.engine.connectors.lmcache.wire import LMClient
 
-        geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size)
+        geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size, worker_id)
         wanted = [(c.key, c.end - c.start) for chunks in ours for c in chunks]
         with LMClient.from_url(peer, connections=1) as client:
             try:

@@ -16,6 +16,13 @@ Usage:
         {"hit": true, "shape": [...], "dtype": "bfloat16", "fmt": "KV_2LTD", "fmt_code": 1,
          "length": n}; on a miss prints {"hit": false} and writes nothing. Exit 0 either way.
 
+    lmcache_client.py batch HOST PORT MANIFEST
+        Run many puts and gets with one connector (one import of LMCache, e.g. every rank's
+        chunks of a tensor-parallel writer). MANIFEST is a JSON file
+        {"put": [{"key", "shape", "dtype", "file"}, ...], "get": [{"key", "file"}, ...]}; puts
+        run first, each confirmed by an EXIST. Prints {"stored": [bool, ...], "got": [answer of
+        get, ...]}; exit 0 when every put was stored, 1 when not.
+
 Only the JSON line goes to stdout; LMCache's logs go to stderr. Exit 2 on bad usage.
 """
 
@@ -29,6 +36,7 @@ import threading
 USAGE = (
     "usage: lmcache_client.py put HOST PORT KEY SHAPE DTYPE FILE\n"
     "       lmcache_client.py get HOST PORT KEY OUTFILE\n"
+    "       lmcache_client.py batch HOST PORT MANIFEST\n"
 )
 
 
@@ -38,15 +46,17 @@ def _fail(message):
 
 
 def _parse_args(argv):
-    if len(argv) < 1 or argv[0] not in ("put", "get"):
-        _fail("expected a sub-command, put or get")
-    want = 7 if argv[0] == "put" else 5
+    if len(argv) < 1 or argv[0] not in ("put", "get", "batch"):
+        _fail("expected a sub-command, put, get or batch")
+    want = {"put": 7, "get": 5, "batch": 4}[argv[0]]
     if len(argv) != want:
         _fail(f"{argv[0]} takes {want - 1} arguments, got {len(argv) - 1}")
     try:
         port = int(argv[2])
     except ValueError:
         _fail(f"PORT must be an integer, got {argv[2]!r}")
+    if argv[0] == "batch":
+        return argv[0], argv[1], port, None, [argv[3]]
     return argv[0], argv[1], port, argv[3], argv[4:]
 
 
@@ -157,6 +167,53 @@ def _get(host, port, key_str, args):
     return header, 0
 
 
+def _batch(host, port, _key, args):
+    import torch
+    from lmcache.utils import parse_cache_key
+    from lmcache.v1.memory_management import MemoryFormat
+
+    (manifest_path,) = args
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    puts, gets = manifest.get("put", []), manifest.get("get", [])
+    largest = max([os.path.getsize(p["file"]) for p in puts] + [32 * 1024**2])
+    peer = _Peer(host, port, torch.bfloat16, (1, 2, 256, 1, 1), 2 * largest)
+    stored = []
+    for item in puts:
+        dtype = getattr(torch, item["dtype"])
+        with open(item["file"], "rb") as f:
+            payload = f.read()
+        shape = torch.Size(item["shape"])
+        if len(payload) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+            _fail(f"{item['file']} does not hold a {item['dtype']} tensor of shape {list(shape)}")
+        key = parse_cache_key(item["key"])
+        memory_obj = peer.backend.allocate(shape, dtype, MemoryFormat.KV_2LTD)
+        if memory_obj is None:
+            raise RuntimeError("LocalCPUBackend could not allocate the memory object")
+        memory_obj.tensor.view(torch.uint8).reshape(-1).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        peer.run(peer.connector.put(key, memory_obj))
+        stored.append(bool(peer.run(peer.connector.exists(key))))  # same socket: the PUT landed
+    got = []
+    for item in gets:
+        memory_obj = peer.run(peer.connector.get(parse_cache_key(item["key"])))
+        if memory_obj is None:
+            got.append({"hit": False})
+            continue
+        data = bytes(memory_obj.byte_array)
+        got.append({
+            "hit": True,
+            "shape": list(memory_obj.get_shape()),
+            "dtype": str(memory_obj.get_dtype()).removeprefix("torch."),
+            "fmt": memory_obj.get_memory_format().name,
+            "length": len(data),
+        })
+        with open(item["file"], "wb") as f:
+            f.write(data)
+        memory_obj.ref_count_down()
+    peer.close()
+    return {"stored": stored, "got": got}, 0 if all(stored) else 1
+
+
 def _kv_shape(shape):
     """LMCacheMetadata's (num_layers, 2, chunk_size, kv_heads, head_dim) for a KV_2LTD shape."""
     if len(shape) == 4:
@@ -170,7 +227,7 @@ def main():
     answer_fd = os.dup(1)
     os.dup2(2, 1)
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-    answer, status = (_put if command == "put" else _get)(host, port, key, rest)
+    answer, status = {"put": _put, "get": _get, "batch": _batch}[command](host, port, key, rest)
     sys.stdout.flush()
     with os.fdopen(answer_fd, "w") as out:
         json.dump(answer, out)

@@ -118,7 +118,9 @@ def test_wrong_shape_under_the_right_key_is_refused(make_engine, lmcache_server,
     if variant == "bigger":
         assert "reply announces" in r.error  # refused before a byte of payload is read
     else:
-        assert "geometry mismatch on num_layers, num_kv_heads" in r.error
+        assert "does not fit this rank's KV pages" in r.error
+        assert f"layers {g.num_layers * 2}, expected {g.num_layers}" in r.error
+        assert f"KV hidden size {g.kv_hidden_size // 2}, expected {g.kv_hidden_size}" in r.error
     # Never scattered: the pages of a recomputing engine give the reference output.
     rec = make_engine(kv_transfer_config=parse_kv_transfer_config(lm_config(lmcache_server, policy="recompute")))
     r2 = rec.generate([p], GREEDY)[0]

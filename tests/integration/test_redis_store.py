@@ -191,7 +191,9 @@ def test_wrong_shape_under_the_right_key_is_refused(make_engine, redis_server, v
     if variant == "bigger":
         assert "announces" in r.error and "the buffer holds" in r.error  # refused before the payload is read
     elif variant == "same_size_other_shape":
-        assert "geometry mismatch on num_layers, num_kv_heads" in r.error
+        assert "does not fit this rank's KV pages" in r.error
+        assert f"layers {g.num_layers * 2}, expected {g.num_layers}" in r.error
+        assert f"KV hidden size {g.kv_hidden_size // 2}, expected {g.kv_hidden_size}" in r.error
     else:
         assert "no longer in valkey://" in r.error  # LMCache's rule: a value of the wrong size is a miss
     # Never scattered: a recomputing engine over the same store gives the reference output.

@@ -8,7 +8,7 @@ import uuid
 import torch
 
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
-from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, geometry_problem
+from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, chunk_problem
 from kvtool.engine.connectors.lmcache.wire import LMClient, kv_chunk_header, tensor_buffer
 
 TOKENS = [(i * 7) % 200 + 3 for i in range(40)]
@@ -47,8 +47,8 @@ def test_peer_takes_the_kv_dtype_serve_stores_on_the_device(lmcache_server, tiny
 
 
 def test_the_fit_check_compares_the_dtype_not_only_its_size():
-    bf16 = ChunkGeometry(num_layers=4, kv_hidden_size=128, element_size=2, dtype="bfloat16")
+    bf16 = ChunkGeometry(num_layers=4, kv_hidden_size=128, dtype="bfloat16")
     as_float16 = kv_chunk_header((2, 4, 16, 128), torch.float16)
     as_bfloat16 = kv_chunk_header((2, 4, 16, 128), torch.bfloat16)
-    assert geometry_problem(as_float16, 16, bf16) == "dtype float16, expected bfloat16"
-    assert geometry_problem(as_bfloat16, 16, bf16) is None
+    assert chunk_problem(as_float16, 16, bf16) == "dtype float16, expected bfloat16"
+    assert chunk_problem(as_bfloat16, 16, bf16) is None

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from kvtool.commands.verify_keys import build_rows, exit_status, read_token_file, read_token_sequences, render_table
-from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, ChunkProbe, geometry_problem
+from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, ChunkProbe, chunk_problem
 from kvtool.peer.compare import KeyComparison, compare_keys, compare_with_peer, lmcache_request
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
 from kvtool.engine.connectors.lmcache.wire import ChunkHeader, MemoryFormat
@@ -109,7 +109,7 @@ def test_missing_peer_interpreter_is_a_config_error(tmp_path):
 
 # ----------------------------------------------------------------------------- geometry
 
-GEOMETRY = ChunkGeometry(num_layers=4, kv_hidden_size=128, element_size=4)
+GEOMETRY = ChunkGeometry(num_layers=4, kv_hidden_size=128, dtype="float32")
 
 
 def header(shape, dtype_code=4, fmt=MemoryFormat.KV_2LTD) -> ChunkHeader:
@@ -128,15 +128,15 @@ def header(shape, dtype_code=4, fmt=MemoryFormat.KV_2LTD) -> ChunkHeader:
         (header((2, 2, 16, 128)), 16, ["layers 2, expected 4"]),
         (header((2, 4, 16, 64)), 16, ["KV hidden size 64, expected 128"]),
         (header((2, 4, 16, 128)), 8, ["tokens 16, expected 8"]),
-        (header((2, 4, 16, 128), dtype_code=3), 16, ["element size 2 bytes, expected 4"]),
+        (header((2, 4, 16, 128), dtype_code=3), 16, ["dtype bfloat16, expected float32"]),
         (header((1, 4, 16, 128)), 16, ["K/V 1, expected 2"]),
         (header((4, 16, 128)), 16, ["has 3 dims"]),
         (header((2, 4, 16, 128), fmt=MemoryFormat.KV_T2D), 16, ["format KV_T2D, expected KV_2LTD"]),
-        (header((2, 8, 16, 64), dtype_code=2), 16, ["layers 8", "KV hidden size 64", "element size 2"]),
+        (header((2, 8, 16, 64), dtype_code=2), 16, ["layers 8", "KV hidden size 64", "dtype float16, expected float32"]),
     ],
 )
-def test_geometry_problem(hdr, tokens, fragments):
-    problem = geometry_problem(hdr, tokens, GEOMETRY)
+def test_chunk_problem(hdr, tokens, fragments):
+    problem = chunk_problem(hdr, tokens, GEOMETRY)
     if fragments is None:
         assert problem is None
     else:

@@ -3,10 +3,14 @@ Redis Cluster or Valkey in LMCache's layouts (store.py picks one by `remote_url`
 
 Keys are LMCache's own (ChunkedTokenDatabase rules, keys.py), so a Python vLLM + LMCache peer
 and kvtool find each other's chunks. Chunk bytes are KV_2LTD `[2, L, tokens, kv_heads*head_dim]`,
-what LMCache inside vLLM writes. The scheduler half asks the server (EXIST) which leading
-chunks of a prompt it holds; the worker half GETs them into host buffers, checks each reply's
-format, dtype and shape against the pages, and scatters them; after the forward it gathers
-newly completed prompt chunks and PUTs them on a background thread.
+what LMCache inside vLLM writes. Under tensor parallelism each rank is one LMCache worker, as in
+a TP-N vLLM: its worker half stores and loads its own KV-head shard under its own key
+(`model@N@rank@hash@dtype`; world_size and worker_id come from the engine, never from the
+config). The scheduler half asks the server (EXIST) which leading chunks of a prompt it holds,
+a chunk counting only when every rank's key for it is there; the worker half GETs them into
+host buffers, checks each reply against its pages (chunk_fit.py, the check `verify-keys --peer`
+uses too), and scatters them; after the forward it gathers newly completed prompt chunks and
+PUTs them on a background thread.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from kvtool.engine.connectors.base import (
     SchedulerHalf,
     WorkerHalf,
 )
+from kvtool.engine.connectors.lmcache.chunk_fit import chunk_geometry_of_pages, chunk_problem
 from kvtool.engine.connectors.lmcache.keys import (
     LMCacheKeySettings,
     check_request_tags,
+    key_for_worker,
     make_chunk_keys,
     tags_from_request_configs,
 )
@@ -52,14 +58,10 @@ from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-export
 )
 from kvtool.engine.connectors.lmcache.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.store_factory import open_store
-from kvtool.engine.connectors.lmcache.wire import (
-    ChunkHeader,
-    MemoryFormat,
-    kv_chunk_header,
-    tensor_buffer,
-)
+from kvtool.engine.connectors.lmcache.wire import ChunkHeader, kv_chunk_header, tensor_buffer
 from kvtool.engine.errors import KVRefused, KVToolError, PeerError
-from kvtool.engine.kv_pages import DTYPES, KVGeometry, refuse_geometry_mismatch
+from kvtool.engine.kv_pages import DTYPES, KVGeometry
+from kvtool.engine.tp_layout import TPRank
 
 logger = logging.getLogger("kvtool.lmcache")
 
@@ -122,6 +124,8 @@ class LMCacheScheduler(SchedulerHalf):
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
         self.pending_loads: list[ChunkJob] = []
+        # Each rank stores its own shard under its own worker_id: a chunk is a hit only when all are there.
+        self.num_ranks = key_settings.world_size
 
     def _keys(self, request) -> list:
         keys = self.keys.get(request.request_id)
@@ -154,7 +158,7 @@ class LMCacheScheduler(SchedulerHalf):
         if lookup is None or lookup.num_computed_tokens != num_computed_tokens:
             wanted = [k.key for k in keys[first:last] if k.end - k.start == self.cs]
             try:
-                future = self._lookup_pool.submit(self.client.exist_many, wanted)
+                future = self._lookup_pool.submit(self._exist_on_every_rank, wanted)
             except RuntimeError:  # shut down
                 return 0, False
             self.inflight_lookups[rid] = _Lookup(num_computed_tokens, first, future, time.monotonic())
@@ -178,6 +182,15 @@ class LMCacheScheduler(SchedulerHalf):
                 break
             n += 1
         return self._settle(rid, num_computed_tokens, max(0, (lookup.first + n) * self.cs - num_computed_tokens))
+
+    def _exist_on_every_rank(self, keys: list[str]) -> list[bool]:
+        """EXIST of each chunk's key for every rank, in one pipelined batch (on the lookup thread)."""
+        if self.num_ranks == 1:
+            return self.client.exist_many(keys)
+        asked = [key_for_worker(k, r) for k in keys for r in range(self.num_ranks)]
+        found = self.client.exist_many(asked)
+        n = self.num_ranks
+        return [all(found[i * n : (i + 1) * n]) for i in range(len(keys))]
 
     def _settle(self, rid: str, num_computed_tokens: int, matched: int) -> tuple[int, bool]:
         self.inflight_lookups.pop(rid, None)
@@ -254,7 +267,10 @@ class LMCacheWorker(WorkerHalf):
         super().__init__(ctx)
         self.settings = settings
         self.client = client
+        # This rank's pages: its KV-head shard (the identity's geometry is already per rank).
         self.geometry: KVGeometry = ctx.identity.geometry
+        self.chunk_geometry = chunk_geometry_of_pages(self.geometry)
+        self.worker_id = settings.worker_id
         self.dtype = DTYPES[self.geometry.dtype]
         self.pin = ctx.identity.device_type == "cuda"
         self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
@@ -276,6 +292,15 @@ class LMCacheWorker(WorkerHalf):
             self._pool.append(
                 torch.empty((2, g.num_layers, self.chunk_tokens, g.kv_hidden_size), dtype=self.dtype, pin_memory=self.pin)
             )
+
+    def bind_connector_metadata(self, meta: LMCacheMetadata) -> None:
+        """The scheduler half keys jobs as rank 0; another rank moves its own shard under its own key."""
+        if self.worker_id:
+            meta = LMCacheMetadata(
+                loads=[msgspec.structs.replace(j, key=key_for_worker(j.key, self.worker_id)) for j in meta.loads],
+                stores=[msgspec.structs.replace(j, key=key_for_worker(j.key, self.worker_id)) for j in meta.stores],
+            )
+        super().bind_connector_metadata(meta)
 
     def _expected(self, num_tokens: int) -> ChunkHeader:
         g = self.geometry
@@ -354,21 +379,10 @@ class LMCacheWorker(WorkerHalf):
                 self.errors[b] = str(e)
 
     def _refuse_reply(self, header: ChunkHeader, job: ChunkJob) -> None:
-        """A chunk is scattered only when its format, dtype and shape fit the engine's pages."""
-        expected = self._expected(job.end - job.start)
-        if header.fmt != MemoryFormat.KV_2LTD:
-            raise KVRefused(f"chunk {job.key} has memory format {header.fmt}, not KV_2LTD")
-        if header.dtype_code != expected.dtype_code:
-            raise KVRefused(f"chunk {job.key} has dtype code {header.dtype_code}, the pages need {expected.dtype_code}")
-        if len(header.shape) == 4 and header.shape[0] == 2:
-            _, layers, tokens, hidden = header.shape
-            heads = hidden // self.geometry.head_dim if hidden % self.geometry.head_dim == 0 else -1
-            recorded = msgspec.structs.replace(self.geometry, num_layers=layers, num_kv_heads=heads)
-            refuse_geometry_mismatch(recorded, self.geometry, f"LMCache chunk {job.key}")
-            if tokens != job.end - job.start:
-                raise KVRefused(f"chunk {job.key} holds {tokens} tokens, expected {job.end - job.start}")
-        if tuple(header.shape) != expected.shape or header.length != expected.length:
-            raise KVRefused(f"chunk {job.key} has shape {list(header.shape)}, expected {list(expected.shape)}")
+        """A chunk is scattered only when it fits this rank's pages (chunk_fit.chunk_problem)."""
+        problem = chunk_problem(header, job.end - job.start, self.chunk_geometry)
+        if problem is not None:
+            raise KVRefused(f"LMCache chunk {job.key} does not fit this rank's KV pages: {problem}")
 
     def wait_for_save(self) -> None:
         stores = self._meta.stores
@@ -438,7 +452,8 @@ class LMCacheConnector(KVConnector):
     def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:
         identity = ctx.identity
         settings, key_settings = parse_settings(
-            dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype, identity.geometry.block_size
+            dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype,
+            identity.geometry.block_size, tp=TPRank(identity.tp_size, identity.tp_rank),
         )
         assert settings.host is not None and settings.port is not None
         return settings, key_settings

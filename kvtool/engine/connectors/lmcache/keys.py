@@ -212,6 +212,15 @@ def format_key(
     return key
 
 
+def key_for_worker(key: str, worker_id: int) -> str:
+    """The same chunk's key as rank `worker_id` of the writer's group writes it (only that field differs).
+
+    A model name never holds `@` (refused when keys are made), so the third field is the worker id.
+    """
+    model, world_size, _, rest = key.split("@", 3)
+    return f"{model}@{world_size}@{worker_id}@{rest}"
+
+
 def parse_key(text: str) -> LMCacheKey:
     """Parse a key string as LMCache's `parse_cache_key` does, for inspection.
 

@@ -1,4 +1,4 @@
-"""What an lm:// server holds under a list of keys, and whether each chunk fits a model's KV geometry."""
+"""What an lm:// server holds under a list of keys, and whether each chunk fits one rank's KV geometry (chunk_fit.py)."""
 
 from __future__ import annotations
 
@@ -7,36 +7,21 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from kvtool.engine.connectors.lmcache.wire import (
-    ChunkHeader,
-    LMClient,
-    MemoryFormat,
-    tensor_buffer,
-    torch_dtype_from_code,
+from kvtool.engine.connectors.lmcache.chunk_fit import (  # noqa: F401 (re-exported)
+    ChunkGeometry,
+    chunk_geometry_of_rank,
+    chunk_problem,
 )
+from kvtool.engine.connectors.lmcache.wire import LMClient, tensor_buffer, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, PeerError
 from kvtool.engine.model_dir import ModelConfig
+from kvtool.engine.tp_layout import TPRank
 
 # A GET reads a whole chunk (the protocol has no header-only read) into one buffer of
 # READ_HEADROOM x the largest expected chunk, at most MAX_READ_BYTES: a chunk up to that
 # size is read and its header reported; a larger one is refused before its payload is read.
 READ_HEADROOM = 4
 MAX_READ_BYTES = 1 << 30
-
-
-class ChunkGeometry(msgspec.Struct, frozen=True, kw_only=True):
-    """The KV_2LTD chunk a model writes: `[2, num_layers, num_tokens, kv_hidden_size]`."""
-
-    num_layers: int
-    kv_hidden_size: int  # KV heads of one rank x head_dim
-    element_size: int  # bytes per element of the KV dtype
-    dtype: str = ""  # torch name of the KV dtype; "" compares the element size only
-
-    def shape(self, num_tokens: int) -> tuple[int, int, int, int]:
-        return (2, self.num_layers, num_tokens, self.kv_hidden_size)
-
-    def num_bytes(self, num_tokens: int) -> int:
-        return 2 * self.num_layers * num_tokens * self.kv_hidden_size * self.element_size
 
 
 class ChunkProbe(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,58 +34,14 @@ class ChunkProbe(msgspec.Struct, frozen=True, kw_only=True):
     problem: str | None  # why it does not fit (or could not be read); None when it fits
 
 
-def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1) -> ChunkGeometry:
-    """The chunk geometry of a model config (`ModelConfig`) for a KV dtype name.
+def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1, worker_id: int = 0) -> ChunkGeometry:
+    """The chunk rank `worker_id` of a `world_size`-way tensor-parallel writer of a model config writes.
 
-    With world_size N the writer is taken to be N-way tensor parallel: each rank holds
-    max(1, num_kv_heads // N) heads, as vLLM shards them. Raises ConfigError for a dtype torch
-    does not know.
+    The rank's KV heads are tp_layout's split, as the engine shards them (vLLM's when they
+    divide evenly). Raises ConfigError for a dtype torch does not know or a rank outside the size.
     """
-    dtype = getattr(torch, kv_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"--kv-dtype {kv_dtype!r} is not a torch dtype")
-    num_kv_heads = max(1, config.num_kv_heads // world_size)
-    return ChunkGeometry(
-        num_layers=config.num_layers,
-        kv_hidden_size=num_kv_heads * config.head_dim,
-        element_size=dtype.itemsize,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-
-
-def geometry_problem(header: ChunkHeader, num_tokens: int, geometry: ChunkGeometry) -> str | None:
-    """Why a stored chunk (`wire.ChunkHeader`) does not fit `geometry`; None when it fits.
-
-    Checks the memory format (KV_2LTD), the shape `[2, layers, tokens, KV hidden size]` and the
-    dtype itself (a float16 chunk does not fit bfloat16 pages, though both have 2-byte
-    elements), and names every field that differs with the value expected and found.
-    """
-    problems = []
-    if header.fmt != MemoryFormat.KV_2LTD:
-        try:
-            name = MemoryFormat(header.fmt).name
-        except ValueError:
-            name = str(header.fmt)
-        problems.append(f"format {name}, expected KV_2LTD")
-    shape = tuple(header.shape)
-    want = geometry.shape(num_tokens)
-    if len(shape) != 4:
-        problems.append(f"shape {list(shape)} has {len(shape)} dims, expected {list(want)}")
-    else:
-        for label, expected, found in zip(("K/V", "layers", "tokens", "KV hidden size"), want, shape):
-            if expected != found:
-                problems.append(f"{label} {found}, expected {expected}")
-    try:
-        found_dtype = torch_dtype_from_code(header.dtype_code)
-    except PeerError as e:
-        problems.append(str(e))
-    else:
-        found_name = str(found_dtype).removeprefix("torch.")
-        if geometry.dtype and found_name != geometry.dtype:
-            problems.append(f"dtype {found_name}, expected {geometry.dtype}")
-        elif found_dtype.itemsize != geometry.element_size:
-            problems.append(f"element size {found_dtype.itemsize} bytes, expected {geometry.element_size}")
-    return "; ".join(problems) or None
+    tp = TPRank(world_size, worker_id)
+    return chunk_geometry_of_rank(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, tp)
 
 
 def probe_chunks(
@@ -149,7 +90,7 @@ def probe_chunks(
             dtype = str(torch_dtype_from_code(header.dtype_code)).removeprefix("torch.")
         except PeerError:
             dtype = None
-        problem = geometry_problem(header, wanted[key], geometry)
+        problem = chunk_problem(header, wanted[key], geometry)
         result[key] = ChunkProbe(
             present=True, shape=list(header.shape), dtype=dtype, fits=problem is None, problem=problem
         )

@@ -12,6 +12,7 @@ from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
 from kvtool.engine.connectors.lmcache.store import store_address
 from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.tp_layout import TPRank
 
 CONNECTOR = "LMCacheConnector"
 DEFAULT_HOST = "127.0.0.1"
@@ -33,8 +34,10 @@ LMCACHE_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="chunk_tokens", kind="int", aliases=("lmcache.chunk_size",), low=1, high=1 << 20,
              doc="default 256 in vllm/builtin mode, the block size in blake3 mode"),
     ExtraKey(name="model_name", kind="str", max_len=150, doc="default the --model string"),
-    ExtraKey(name="world_size", kind="int", default=1, low=1, high=1 << 16),
-    ExtraKey(name="worker_id", kind="int", default=0, low=0, high=(1 << 16) - 1),
+    ExtraKey(name="world_size", kind="int", low=1, high=1 << 16,
+             doc="default the engine's --tensor-parallel-size; another value is refused"),
+    ExtraKey(name="worker_id", kind="int", low=0, high=(1 << 16) - 1,
+             doc="default the rank; another value is refused"),
     ExtraKey(name="kv_dtype", kind="str", max_len=32, doc="default the engine's KV dtype"),
     ExtraKey(name="offload_prompt_only", kind="bool", default=True),
     ExtraKey(name="save_unfull_chunk", kind="bool", default=False, aliases=("lmcache.save_unfull_chunk",)),
@@ -63,8 +66,8 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hash_algo: str = "blake3"  # vllm (alias sha256_cbor) | builtin | blake3 | sha256
     chunk_tokens: int | None = None  # default 256 in vllm/builtin mode, the block size in blake3 mode
     model_name: str | None = None  # default the --model string, as vLLM puts it in the key
-    world_size: int = 1
-    worker_id: int = 0
+    world_size: int | None = None  # the engine's tensor-parallel size, as vLLM's parallel config gives it
+    worker_id: int | None = None  # the engine's tensor-parallel rank
     kv_dtype: str | None = None  # default the engine's KV dtype
     offload_prompt_only: bool = True
     save_unfull_chunk: bool = False
@@ -89,11 +92,18 @@ def check_host(host: str, where: str) -> str:
     return host
 
 
-def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int) -> tuple[LMCacheSettings, LMCacheKeySettings]:
+def parse_settings(
+    extra: dict, model_name: str, kv_dtype: str, block_size: int, tp: TPRank | None = None
+) -> tuple[LMCacheSettings, LMCacheKeySettings]:
     """Decode and check the extra config; the settings and the key settings they imply.
 
+    The key's world_size and worker_id are the engine's tensor-parallel size and rank `tp`, as
+    LMCache takes them from vLLM's parallel config; an explicit value that disagrees is refused.
+    With `tp` None (no engine yet: a config check) the explicit values, else 1 and 0, are used.
+
     Raises ConfigError (one line naming the key) for an unknown key, a value outside its
-    range, a bad remote_url or host, or a chunk size that is not a multiple of the block size.
+    range, a bad remote_url or host, a chunk size that is not a multiple of the block size,
+    or a world_size / worker_id other than the engine's.
     """
     where = f"invalid {CONNECTOR} config"
     s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
@@ -120,12 +130,11 @@ def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int)
     chunk = s.chunk_tokens or (block_size if algo == "blake3" else 256)
     if chunk % block_size:
         raise ConfigError(f"{where}: chunk_tokens {chunk} is not a multiple of the block size {block_size}")
-    if s.worker_id >= s.world_size:
-        raise ConfigError(f"{where}: worker_id {s.worker_id} must be below world_size {s.world_size}")
+    world_size, worker_id = _rank_of(s, tp, where)
     key_settings = LMCacheKeySettings(
         model_name=s.model_name or model_name,
-        world_size=s.world_size,
-        worker_id=s.worker_id,
+        world_size=world_size,
+        worker_id=worker_id,
         kv_dtype=s.kv_dtype or kv_dtype,
         chunk_tokens=chunk,
         hash_algo=algo,
@@ -137,4 +146,26 @@ def parse_settings(extra: dict, model_name: str, kv_dtype: str, block_size: int)
             check_request_tags({DIGEST_TAG[0]: DIGEST_TAG[1]}, key_settings)
         except InputError as e:
             raise ConfigError(f"{where}: verify_payload: {e}") from None
-    return msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk), key_settings
+    return (msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk, world_size=world_size,
+                                    worker_id=worker_id), key_settings)
+
+
+def _rank_of(s: LMCacheSettings, tp: TPRank | None, where: str) -> tuple[int, int]:
+    """(world_size, worker_id) of the keys: the engine's; an explicit value must agree with it."""
+    if tp is None:
+        world_size = s.world_size if s.world_size is not None else 1
+        worker_id = s.worker_id if s.worker_id is not None else 0
+        if worker_id >= world_size:
+            raise ConfigError(f"{where}: worker_id {worker_id} must be below world_size {world_size}")
+        return world_size, worker_id
+    if s.world_size is not None and s.world_size != tp.size:
+        raise ConfigError(
+            f"{where}: world_size {s.world_size} disagrees with the engine's tensor-parallel size {tp.size}; "
+            "leave world_size unset: it is taken from the engine, as LMCache takes it from vLLM"
+        )
+    if s.worker_id is not None and s.worker_id != tp.rank:
+        raise ConfigError(
+            f"{where}: worker_id {s.worker_id} disagrees with the engine's tensor-parallel rank {tp.rank} "
+            f"(of {tp.size}); leave worker_id unset: each rank keys its own KV shard"
+        )
+    return tp.size, tp.rank

@@ -1,0 +1,119 @@
+"""Connector halves of a tensor-parallel engine, built as its processes build them, without the runtime.
+
+The scheduler half gets the engine identity with tp_size N, tp_rank 0 and rank 0's geometry;
+each rank's worker half gets the identity with its rank and its KV-head shard
+(tp_layout.kv_head_range) and KVPages of the shard's shape. Metadata reaches the workers as a
+pickled copy, as it would cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import msgspec
+import torch
+
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity
+from kvtool.engine.connectors.registry import resolve_connector
+from kvtool.engine.hashing import extend_block_hashes
+from kvtool.engine.kv_pages import DTYPES, KVPages
+from kvtool.engine.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvtool.engine.params import SamplingParams
+from kvtool.engine.request import Request
+from kvtool.engine.tp_layout import TPRank, kv_head_range
+
+
+def rank_identity(identity: EngineIdentity, size: int, rank: int, num_kv_heads: int | None = None) -> EngineIdentity:
+    """The identity of rank `rank` of `size`: its KV heads of the model's `num_kv_heads`."""
+    total = identity.geometry.num_kv_heads if num_kv_heads is None else num_kv_heads
+    heads = kv_head_range(total, TPRank(size, rank))[1]
+    geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=heads)
+    return msgspec.structs.replace(identity, tp_size=size, tp_rank=rank, geometry=geometry)
+
+
+def head_slice(full: torch.Tensor, num_kv_heads: int, head_dim: int, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s KV heads of a KV_2LTD tensor [2, L, T, num_kv_heads*head_dim], contiguous."""
+    start, count = kv_head_range(num_kv_heads, TPRank(size, rank))
+    return full[..., start * head_dim : (start + count) * head_dim].contiguous()
+
+
+class RankedHalves:
+    """One scheduler half and one worker half per rank, over pages of each rank's shard."""
+
+    def __init__(self, config, identity: EngineIdentity, none_hash: bytes, size: int,
+                 num_kv_heads: int | None = None, num_blocks: int = 64) -> None:
+        self.connector = resolve_connector(config)
+        self.size = size
+        self.identities = [rank_identity(identity, size, r, num_kv_heads) for r in range(size)]
+        self.scheduler = self.connector.create_scheduler_half(
+            ConnectorContext(config=config, identity=self.identities[0], none_hash=none_hash))
+        self.workers = []
+        self.pages = []
+        for ident in self.identities:
+            worker = self.connector.create_worker_half(
+                ConnectorContext(config=config, identity=ident, none_hash=none_hash))
+            pages = KVPages(ident.geometry, num_blocks, torch.device("cpu"))
+            pages.tensor.zero_()
+            worker.register_kv_caches(pages)
+            self.workers.append(worker)
+            self.pages.append(pages)
+        self.none_hash = none_hash
+
+    def request(self, rid: str, prompt: list[int]) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=1), max_tokens=1, eos_token_ids=frozenset())
+        bs = self.identities[0].geometry.block_size
+        extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.none_hash, None)
+        return req
+
+    def matched(self, req: Request, timeout_s: float = 30.0) -> int:
+        """The scheduler half's answer, asked again while its lookup is in flight (as the scheduler does)."""
+        deadline = time.monotonic() + timeout_s
+        while (n := self.scheduler.get_num_new_matched_tokens(req, 0)[0]) is None:
+            assert time.monotonic() < deadline, "lookup never answered"
+            time.sleep(0.01)
+        return n
+
+    def step(self, req: Request, first_block: int, matched: int | None = None) -> list[KVConnectorOutput]:
+        """Admit `req` (blocks from `first_block`), run one step of its whole prompt on every rank.
+
+        Each rank's worker half gets its own pickled copy of the metadata; returns each rank's output
+        (after the scheduler half saw every one of them).
+        """
+        if matched is None:
+            matched = self.matched(req)
+        bs = self.identities[0].geometry.block_size
+        n = len(req.prompt_token_ids)
+        req.block_ids = list(range(first_block, first_block + -(-n // bs)))
+        self.scheduler.update_state_after_alloc(req, req.block_ids, matched)
+        so = SchedulerOutput(scheduled=[ScheduledRequest(
+            request_id=req.request_id, token_ids=req.prompt_token_ids[matched:], start=matched,
+            new_block_ids=req.block_ids, sample=True)])
+        meta = pickle.dumps(self.scheduler.build_connector_meta(so))
+        outputs = []
+        for worker in self.workers:
+            worker.bind_connector_metadata(pickle.loads(meta))
+            worker.start_load_kv()
+            worker.wait_for_save()
+            worker.flush()
+            errors = worker.get_block_ids_with_load_errors()
+            outputs.append(KVConnectorOutput(invalid_block_ids=set(errors), invalid_reasons=dict(errors),
+                                             completions=worker.take_completions()))
+            worker.clear_connector_metadata()
+        for out in outputs:
+            self.scheduler.update_connector_output(out)
+        return outputs
+
+    def gathered(self, rank: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Rank `rank`'s pages over `block_ids` as KV_2LTD [2, L, num_tokens, its heads*head_dim]."""
+        return self.pages[rank].gather(block_ids, "KV_2LTD", num_tokens)
+
+    def fill(self, rank: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write a KV_2LTD tensor of rank `rank`'s shard into its pages (what its forward would write)."""
+        self.pages[rank].scatter(block_ids, data.to(DTYPES[self.identities[rank].geometry.dtype]), "KV_2LTD",
+                                 data.shape[2])
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        for w in self.workers:
+            w.shutdown()
