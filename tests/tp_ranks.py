@@ -11,10 +11,9 @@ from __future__ import annotations
 import pickle
 import time
 
-import msgspec
 import torch
 
-from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, RankCompletions, rank_identity
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.hashing import extend_block_hashes
 from kvtool.engine.kv_pages import DTYPES, KVPages
@@ -24,28 +23,30 @@ from kvtool.engine.request import Request
 from kvtool.engine.tp_layout import TPRank, kv_head_range
 
 
-def rank_identity(identity: EngineIdentity, size: int, rank: int, num_kv_heads: int | None = None) -> EngineIdentity:
-    """The identity of rank `rank` of `size`: its KV heads of the model's `num_kv_heads`."""
-    total = identity.geometry.num_kv_heads if num_kv_heads is None else num_kv_heads
-    heads = kv_head_range(total, TPRank(size, rank))[1]
-    geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=heads)
-    return msgspec.structs.replace(identity, tp_size=size, tp_rank=rank, geometry=geometry)
-
-
 def head_slice(full: torch.Tensor, num_kv_heads: int, head_dim: int, size: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s KV heads of a KV_2LTD tensor [2, L, T, num_kv_heads*head_dim], contiguous."""
     start, count = kv_head_range(num_kv_heads, TPRank(size, rank))
     return full[..., start * head_dim : (start + count) * head_dim].contiguous()
 
 
+def aggregate(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
+    """The ranks' outputs of one step as one: load errors united, completions every rank's."""
+    invalid, reasons = set(), {}
+    for out in outputs:
+        invalid |= out.invalid_block_ids
+        reasons.update(out.invalid_reasons)
+    parts = [out.completions for out in outputs if out.completions is not None]
+    completions = RankCompletions(parts=parts) if len(outputs) > 1 else (parts[0] if parts else None)
+    return KVConnectorOutput(invalid_block_ids=invalid, invalid_reasons=reasons, completions=completions)
+
+
 class RankedHalves:
     """One scheduler half and one worker half per rank, over pages of each rank's shard."""
 
-    def __init__(self, config, identity: EngineIdentity, none_hash: bytes, size: int,
-                 num_kv_heads: int | None = None, num_blocks: int = 64) -> None:
+    def __init__(self, config, identity: EngineIdentity, none_hash: bytes, size: int, num_blocks: int = 64) -> None:
         self.connector = resolve_connector(config)
         self.size = size
-        self.identities = [rank_identity(identity, size, r, num_kv_heads) for r in range(size)]
+        self.identities = [rank_identity(identity, size, r) for r in range(size)]
         self.scheduler = self.connector.create_scheduler_half(
             ConnectorContext(config=config, identity=self.identities[0], none_hash=none_hash))
         self.workers = []
@@ -77,8 +78,9 @@ class RankedHalves:
     def step(self, req: Request, first_block: int, matched: int | None = None) -> list[KVConnectorOutput]:
         """Admit `req` (blocks from `first_block`), run one step of its whole prompt on every rank.
 
-        Each rank's worker half gets its own pickled copy of the metadata; returns each rank's output
-        (after the scheduler half saw every one of them).
+        Each rank's worker half gets its own pickled copy of the metadata; the scheduler half then
+        sees their outputs as one, as the runtime hands them over (load errors are the union,
+        completions every rank's). Returns each rank's output.
         """
         if matched is None:
             matched = self.matched(req)
@@ -100,9 +102,13 @@ class RankedHalves:
             outputs.append(KVConnectorOutput(invalid_block_ids=set(errors), invalid_reasons=dict(errors),
                                              completions=worker.take_completions()))
             worker.clear_connector_metadata()
-        for out in outputs:
-            self.scheduler.update_connector_output(out)
+        self.scheduler.update_connector_output(aggregate(outputs))
         return outputs
+
+    def report(self) -> None:
+        """Hand the scheduler half what the workers finished since (background disk writes)."""
+        self.scheduler.update_connector_output(aggregate([
+            KVConnectorOutput(completions=w.take_completions()) for w in self.workers]))
 
     def gathered(self, rank: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """Rank `rank`'s pages over `block_ids` as KV_2LTD [2, L, num_tokens, its heads*head_dim]."""

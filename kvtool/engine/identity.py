@@ -64,6 +64,7 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
         none_hash_seed=resolve_none_hash_seed(),
         engine_id=params.kv_transfer_config.engine_id if params.kv_transfer_config else "",
         device_type=device_type,
+        model_num_kv_heads=cfg.num_kv_heads,
     )
 
 

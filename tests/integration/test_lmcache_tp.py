@@ -202,7 +202,8 @@ def test_uneven_head_split_round_trips_between_kvtool_ranks(lmcache_server, tiny
     """3 KV heads at TP 2 (the embedded SmolLM2-135M's split): rank 0 keeps 2 heads, rank 1 one."""
     identity = tiny_identity(tiny_model_dir)
     identity = msgspec.structs.replace(identity, model_name="kvtool-test/three-kv-heads",
-                                       geometry=msgspec.structs.replace(identity.geometry, num_kv_heads=3))
+                                       geometry=msgspec.structs.replace(identity.geometry, num_kv_heads=3),
+                                       model_num_kv_heads=3)
     g = identity.geometry
     p = prompt(520, 5)
     full = torch.randn((2, g.num_layers, 2 * CS, 3 * g.head_dim), generator=torch.Generator().manual_seed(5))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
+from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.messages import (
     KVConnectorCompletions,
@@ -41,6 +42,7 @@ from kvtool.engine.messages import (
     SchedulerOutput,
     TransferStats,
 )
+from kvtool.engine.tp_layout import TPRank, kv_head_range
 
 if TYPE_CHECKING:
     from kvtool.engine.request import Request
@@ -52,9 +54,12 @@ __all__ = [
     "KVConnectorCompletions",
     "KVConnectorMetadata",
     "KVConnectorOutput",
+    "RankCompletions",
+    "RankTally",
     "SchedulerHalf",
     "TransferStats",
     "WorkerHalf",
+    "rank_identity",
 ]
 
 
@@ -78,6 +83,60 @@ class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
     pp_size: int = 1
     engine_id: str = ""
     device_type: str = "cpu"
+    # The model's KV heads over all ranks (geometry.num_kv_heads is this rank's shard); 0: unknown,
+    # which only a TP-1 identity may be. A scheduler half derives every rank's shard from it.
+    model_num_kv_heads: int = 0
+
+
+def rank_identity(identity: EngineIdentity, size: int, rank: int) -> EngineIdentity:
+    """The identity of rank `rank` of a TP-`size` engine: its KV-head shard (tp_layout's split).
+
+    `identity` may be the whole engine's or any rank's: the shard comes from model_num_kv_heads.
+    Raises ConfigError for a TP>1 identity that does not know the model's KV heads.
+    """
+    total = identity.model_num_kv_heads
+    if not total:
+        if identity.tp_size != 1:
+            raise ConfigError("a tensor-parallel engine identity needs model_num_kv_heads")
+        total = identity.geometry.num_kv_heads
+    heads = kv_head_range(total, TPRank(size, rank))[1]
+    geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=heads)
+    return msgspec.structs.replace(identity, tp_size=size, tp_rank=rank, geometry=geometry, model_num_kv_heads=total)
+
+
+class RankCompletions(KVConnectorCompletions, kw_only=True):
+    """Every rank's completions of one step, handed as one to the scheduler half (TP > 1).
+
+    A connector's completions say what a rank finished (`tp_rank` inside them); its scheduler
+    half counts an item done only when every rank reported it (`RankTally`).
+    """
+
+    parts: list[KVConnectorCompletions] = []
+
+
+class RankTally:
+    """Items reported by the ranks of a group; an item is complete once all `size` ranks reported it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._seen: dict[object, set[int]] = {}
+
+    def report(self, items, rank: int) -> list:
+        """Record rank's items; those now reported by every rank, in report order."""
+        if self.size == 1:
+            return list(items)
+        complete = []
+        for item in items:
+            ranks = self._seen.setdefault(item, set())
+            ranks.add(rank)
+            if len(ranks) == self.size:
+                del self._seen[item]
+                complete.append(item)
+        return complete
+
+    def forget(self, item: object) -> None:
+        """Drop an item some ranks reported (it is gone again on one of them)."""
+        self._seen.pop(item, None)
 
 
 class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):

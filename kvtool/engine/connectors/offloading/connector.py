@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector, rank_identity
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool, plan_num_slots
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.disk_tier import DiskTier
@@ -86,7 +86,11 @@ class OffloadingConnector(KVConnector):
         settings, _, num_slots = cls._plan(ctx)
         index = None
         if settings.root_dir:
-            index = DiskIndex(settings.root_dir, disk_identity(ctx.identity, settings.offload_block_tokens))
+            # Each rank writes its own shard under its own identity's directory: the index holds a
+            # block only when every rank's directory has it.
+            size = ctx.identity.tp_size
+            ranks = [rank_identity(ctx.identity, size, r) for r in range(size)] if size > 1 else [ctx.identity]
+            index = DiskIndex(settings.root_dir, [disk_identity(i, settings.offload_block_tokens) for i in ranks])
         return OffloadingScheduler(ctx, settings, num_slots, index)
 
     @classmethod

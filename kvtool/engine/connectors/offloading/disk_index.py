@@ -1,8 +1,9 @@
 """The scheduler half's in-memory index of the disk tier: which block hashes it holds for this identity.
 
 Lookups inside schedule() are set lookups: no file system round trip on the scheduling path.
-The index is built once at start-up from the names under the identity's directory, then kept
-current from the worker half's reports (blocks it wrote, blocks the tier evicted to stay under
+The index is built once at start-up from the names under the identity's directory (under
+tensor parallelism: each rank's directory, a block counting only when every rank holds its
+shard), then kept current from the worker half's reports (blocks it wrote, blocks the tier evicted to stay under
 its capacity). Other processes sharing root_dir write and evict too: a background thread lists
 the directory again every `refresh_s` seconds, off the scheduling path. An entry is a promise to
 try, never a proof: the worker half still checks every header, and a block gone in between is a
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvtool.engine.connectors.offloading.tier_layout import BLOCK_SUFFIX, TIER_SUBDIR
@@ -57,9 +58,13 @@ def list_block_hashes(identity_dir: Path) -> Iterator[bytes]:
 class DiskIndex:
     """The set of block hashes on disk, as the scheduler half knows it."""
 
-    def __init__(self, root_dir: Path | str, identity: KVIdentity, refresh_s: float = REFRESH_S) -> None:
-        self.identity_dir = Path(root_dir) / TIER_SUBDIR / tier_digest(identity)
-        self._present: set[bytes] = set(list_block_hashes(self.identity_dir))
+    def __init__(self, root_dir: Path | str, identity: KVIdentity | Sequence[KVIdentity],
+                 refresh_s: float = REFRESH_S) -> None:
+        """`identity`: the engine's, or one per tensor-parallel rank (each rank writes its own directory)."""
+        identities = [identity] if isinstance(identity, KVIdentity) else list(identity)
+        self.identity_dirs = [Path(root_dir) / TIER_SUBDIR / tier_digest(i) for i in identities]
+        self.identity_dir = self.identity_dirs[0]
+        self._present: set[bytes] = self._list()
         self._lock = threading.Lock()
         # Changes reported while a refresh lists the directory; applied on top of its result.
         self._added: set[bytes] | None = None
@@ -98,10 +103,19 @@ class DiskIndex:
         """List the directory again (what other processes wrote or evicted); never on the scheduling path."""
         with self._lock:
             self._added, self._removed = set(), set()
-        listed = set(list_block_hashes(self.identity_dir))
+        listed = self._list()
         with self._lock:
             self._present = (listed | self._added) - self._removed
             self._added = self._removed = None
+
+    def _list(self) -> set[bytes]:
+        """Block hashes whose file exists under every rank's directory."""
+        present = set(list_block_hashes(self.identity_dirs[0]))
+        for directory in self.identity_dirs[1:]:
+            if not present:
+                break
+            present &= set(list_block_hashes(directory))
+        return present
 
     def _refresh_loop(self, refresh_s: float) -> None:
         while not self._stop.wait(refresh_s):

@@ -86,7 +86,8 @@ class OffloadingWorker(WorkerHalf):
             written, self._written = self._written, []
         if not (finished or written or evicted):
             return None
-        return OffloadingCompletions(finished_job_ids=finished, written=written, evicted=evicted)
+        return OffloadingCompletions(finished_job_ids=finished, written=written, evicted=evicted,
+                                     tp_rank=self.ctx.identity.tp_rank)
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
