@@ -3,7 +3,9 @@
 The scheduler half (scheduler.py) owns what is where: the CPU slot index and an in-memory index
 of the disk tier. The worker half (worker.py) owns the bytes: the host pool and the disk files.
 Stores copy newly completed prompt blocks into the CPU tier after the forward and write them
-through to disk on a background thread, off the critical path. This module holds the settings,
+through to disk on a background thread, off the critical path. Under tensor parallelism each
+rank's worker half moves its own KV-head shard into its own identity's directory, and the
+scheduler half counts a block only when every rank has it. This module holds the settings,
 the disk identity and the facade that builds each half.
 """
 

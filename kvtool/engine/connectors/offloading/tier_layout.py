@@ -3,6 +3,9 @@
     <root_dir>/kv/.ledger                                       used bytes, under flock
     <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/<h>.kvb        header + payload (identity.py)
     <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/.<h>.kvb.<host>.<pid>.<rand>.tmp   in flight
+
+The digest covers every compared identity field, tp_size and tp_rank included: each
+tensor-parallel rank writes its own KV-head shard under a directory of its own.
 """
 
 from __future__ import annotations
