@@ -13,7 +13,9 @@ import time
 
 import torch
 
-from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, RankCompletions, rank_identity
+import msgspec
+
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, identity_of_rank
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.hashing import extend_block_hashes
 from kvtool.engine.kv_pages import DTYPES, KVPages
@@ -29,15 +31,47 @@ def head_slice(full: torch.Tensor, num_kv_heads: int, head_dim: int, size: int, 
     return full[..., start * head_dim : (start + count) * head_dim].contiguous()
 
 
-def aggregate(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
-    """The ranks' outputs of one step as one: load errors united, completions every rank's."""
-    invalid, reasons = set(), {}
-    for out in outputs:
-        invalid |= out.invalid_block_ids
-        reasons.update(out.invalid_reasons)
-    parts = [out.completions for out in outputs if out.completions is not None]
-    completions = RankCompletions(parts=parts) if len(outputs) > 1 else (parts[0] if parts else None)
-    return KVConnectorOutput(invalid_block_ids=invalid, invalid_reasons=reasons, completions=completions)
+class RankAggregator:
+    """The runtime's merge of the ranks' outputs, as the tensor-parallel contract fixes it.
+
+    Load errors are the union; in every list field of the connector's completions (job ids,
+    blocks written or evicted) an item is passed on once EVERY rank has reported it, counting
+    across steps.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._seen: dict[tuple[str, object], set[int]] = {}
+
+    def completions(self, parts: list):
+        """The completions of every rank (None where a rank had none), merged."""
+        first = next((p for p in parts if p is not None), None)
+        if first is None:
+            return None
+        merged, anything = {}, False
+        for name in first.__struct_fields__:
+            if not isinstance(getattr(first, name), list):
+                merged[name] = getattr(first, name)
+                continue
+            done = []
+            for rank, part in enumerate(parts):
+                for item in getattr(part, name) if part is not None else []:
+                    ranks = self._seen.setdefault((name, item), set())
+                    ranks.add(rank)
+                    if len(ranks) == self.size:
+                        del self._seen[(name, item)]
+                        done.append(item)
+            merged[name] = done
+            anything = anything or bool(done)
+        return msgspec.structs.replace(first, **merged) if anything else None
+
+    def aggregate(self, outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        invalid, reasons = set(), {}
+        for out in outputs:
+            invalid |= out.invalid_block_ids
+            reasons.update(out.invalid_reasons)
+        return KVConnectorOutput(invalid_block_ids=invalid, invalid_reasons=reasons,
+                                 completions=self.completions([o.completions for o in outputs]))
 
 
 class RankedHalves:
@@ -46,7 +80,8 @@ class RankedHalves:
     def __init__(self, config, identity: EngineIdentity, none_hash: bytes, size: int, num_blocks: int = 64) -> None:
         self.connector = resolve_connector(config)
         self.size = size
-        self.identities = [rank_identity(identity, size, r) for r in range(size)]
+        self.identities = [identity_of_rank(identity, size, r) for r in range(size)]
+        self.aggregator = RankAggregator(size)
         self.scheduler = self.connector.create_scheduler_half(
             ConnectorContext(config=config, identity=self.identities[0], none_hash=none_hash))
         self.workers = []
@@ -102,12 +137,12 @@ class RankedHalves:
             outputs.append(KVConnectorOutput(invalid_block_ids=set(errors), invalid_reasons=dict(errors),
                                              completions=worker.take_completions()))
             worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(aggregate(outputs))
+        self.scheduler.update_connector_output(self.aggregator.aggregate(outputs))
         return outputs
 
     def report(self) -> None:
         """Hand the scheduler half what the workers finished since (background disk writes)."""
-        self.scheduler.update_connector_output(aggregate([
+        self.scheduler.update_connector_output(self.aggregator.aggregate([
             KVConnectorOutput(completions=w.take_completions()) for w in self.workers]))
 
     def gathered(self, rank: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Each rank's worker half moves its own KV-head shard; its disk files live under the directory of
 its own identity (whose header records tp_size and tp_rank), so ranks never overwrite each
 other. The scheduler half counts a block on disk only when every rank has written it: from
-the ranks' completions while running, from every rank's directory at start-up. The halves are
+the runtime's aggregate of the ranks' completions while running (an item once every rank
+reported it; tests/tp_ranks.py stands in for it), from every rank's directory at start-up. The halves are
 built with rank identities and pages of the shard's shape (tests/tp_ranks.py).
 """
 
@@ -16,7 +17,6 @@ import msgspec
 import pytest
 import torch
 
-from kvtool.engine.connectors.base import RankCompletions
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.hashing import make_none_hash
 from kvtool.engine.identity import identity_for_model
@@ -122,10 +122,12 @@ def test_a_block_counts_only_when_every_rank_holds_it(tiny_model_dir, tmp_path):
             w.flush()
             parts.append(w.take_completions())
             w.clear_connector_metadata()
-        assert [p.tp_rank for p in parts] == [0, 1] and hashes[2] in parts[1].written
-        ranks.scheduler.update_connector_output(KVConnectorOutput(completions=RankCompletions(parts=[parts[0]])))
+        assert hashes[2] in parts[0].written and hashes[2] in parts[1].written
+        # The runtime passes a written block on once every rank reported it (here rank 1 a step later).
+        agg = ranks.aggregator
+        ranks.scheduler.update_connector_output(KVConnectorOutput(completions=agg.completions([parts[0], None])))
         assert hashes[2] not in disk
-        ranks.scheduler.update_connector_output(KVConnectorOutput(completions=RankCompletions(parts=[parts[1]])))
+        ranks.scheduler.update_connector_output(KVConnectorOutput(completions=agg.completions([None, parts[1]])))
         assert hashes[2] in disk
     finally:
         ranks.shutdown()

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from kvtool.engine.connectors.base import EngineIdentity, RankTally, rank_identity
+from kvtool.engine.connectors.base import EngineIdentity, identity_of_rank
 from kvtool.engine.connectors.lmcache.chunk_fit import ChunkGeometry, chunk_geometry_of_rank, chunk_problem
 from kvtool.engine.connectors.lmcache.keys import key_for_worker, parse_key
 from kvtool.engine.connectors.lmcache.protocol import kv_chunk_header
@@ -23,24 +23,17 @@ def identity(**kw) -> EngineIdentity:
     return EngineIdentity(**fields)
 
 
-def test_rank_identity_takes_the_shard_from_the_model_heads():
-    ranks = [rank_identity(identity(), 2, r) for r in range(2)]
+def test_identity_of_rank_takes_the_shard_from_the_model_heads():
+    ranks = [identity_of_rank(identity(), 2, r) for r in range(2)]
     assert [(i.tp_size, i.tp_rank, i.geometry.num_kv_heads) for i in ranks] == [(2, 0, 2), (2, 1, 1)]
     # From a rank's identity as well: the model's heads travel with it.
-    assert rank_identity(ranks[1], 2, 0).geometry.num_kv_heads == 2
-    assert rank_identity(identity(model_num_kv_heads=0), 1, 0).geometry.num_kv_heads == 3
+    assert identity_of_rank(ranks[1], 2, 0).geometry.num_kv_heads == 2
+    assert identity_of_rank(identity(model_num_kv_heads=0), 1, 0).geometry.num_kv_heads == 3
+    # A replicated (unsharded) model: every rank holds every head.
+    replicated = msgspec.structs.replace(identity(), tp_size=2)
+    assert identity_of_rank(replicated, 2, 1).geometry.num_kv_heads == 3
     with pytest.raises(ConfigError, match="model_num_kv_heads"):
-        rank_identity(msgspec.structs.replace(ranks[0], model_num_kv_heads=0), 2, 1)
-
-
-def test_rank_tally_completes_an_item_once_every_rank_reported_it():
-    tally = RankTally(2)
-    assert tally.report([1, 2], 0) == []
-    assert tally.report([2], 0) == []  # the same rank twice is still one rank
-    assert tally.report([2, 3], 1) == [2]
-    tally.forget(1)
-    assert tally.report([1], 1) == []
-    assert RankTally(1).report([5, 6], 0) == [5, 6]
+        identity_of_rank(msgspec.structs.replace(ranks[0], model_num_kv_heads=0), 2, 1)
 
 
 def test_key_for_worker_changes_only_the_worker_id():

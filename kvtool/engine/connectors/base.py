@@ -54,12 +54,10 @@ __all__ = [
     "KVConnectorCompletions",
     "KVConnectorMetadata",
     "KVConnectorOutput",
-    "RankCompletions",
-    "RankTally",
     "SchedulerHalf",
     "TransferStats",
     "WorkerHalf",
-    "rank_identity",
+    "identity_of_rank",
 ]
 
 
@@ -88,55 +86,24 @@ class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
     model_num_kv_heads: int = 0
 
 
-def rank_identity(identity: EngineIdentity, size: int, rank: int) -> EngineIdentity:
-    """The identity of rank `rank` of a TP-`size` engine: its KV-head shard (tp_layout's split).
+def identity_of_rank(identity: EngineIdentity, size: int, rank: int) -> EngineIdentity:
+    """The identity of rank `rank` of a TP-`size` engine, from the engine's or any rank's identity.
 
-    `identity` may be the whole engine's or any rank's: the shard comes from model_num_kv_heads.
-    Raises ConfigError for a TP>1 identity that does not know the model's KV heads.
+    The rank's KV heads are tp_layout's split of `model_num_kv_heads`, when `identity` itself
+    holds its own share of them; an identity holding every head (a replicated, unsharded model)
+    gives every rank every head. Raises ConfigError for a TP>1 identity that does not know the
+    model's KV heads.
     """
     total = identity.model_num_kv_heads
     if not total:
         if identity.tp_size != 1:
             raise ConfigError("a tensor-parallel engine identity needs model_num_kv_heads")
         total = identity.geometry.num_kv_heads
-    heads = kv_head_range(total, TPRank(size, rank))[1]
+    own = kv_head_range(total, TPRank(identity.tp_size, identity.tp_rank))[1]
+    sharded = identity.geometry.num_kv_heads == own
+    heads = kv_head_range(total, TPRank(size, rank))[1] if sharded else identity.geometry.num_kv_heads
     geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=heads)
     return msgspec.structs.replace(identity, tp_size=size, tp_rank=rank, geometry=geometry, model_num_kv_heads=total)
-
-
-class RankCompletions(KVConnectorCompletions, kw_only=True):
-    """Every rank's completions of one step, handed as one to the scheduler half (TP > 1).
-
-    A connector's completions say what a rank finished (`tp_rank` inside them); its scheduler
-    half counts an item done only when every rank reported it (`RankTally`).
-    """
-
-    parts: list[KVConnectorCompletions] = []
-
-
-class RankTally:
-    """Items reported by the ranks of a group; an item is complete once all `size` ranks reported it."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._seen: dict[object, set[int]] = {}
-
-    def report(self, items, rank: int) -> list:
-        """Record rank's items; those now reported by every rank, in report order."""
-        if self.size == 1:
-            return list(items)
-        complete = []
-        for item in items:
-            ranks = self._seen.setdefault(item, set())
-            ranks.add(rank)
-            if len(ranks) == self.size:
-                del self._seen[item]
-                complete.append(item)
-        return complete
-
-    def forget(self, item: object) -> None:
-        """Drop an item some ranks reported (it is gone again on one of them)."""
-        self._seen.pop(item, None)
 
 
 class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector, rank_identity
+from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector, identity_of_rank
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool, plan_num_slots
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.disk_tier import DiskTier
@@ -91,7 +91,7 @@ class OffloadingConnector(KVConnector):
             # Each rank writes its own shard under its own identity's directory: the index holds a
             # block only when every rank's directory has it.
             size = ctx.identity.tp_size
-            ranks = [rank_identity(ctx.identity, size, r) for r in range(size)] if size > 1 else [ctx.identity]
+            ranks = [identity_of_rank(ctx.identity, size, r) for r in range(size)] if size > 1 else [ctx.identity]
             index = DiskIndex(settings.root_dir, [disk_identity(i, settings.offload_block_tokens) for i in ranks])
         return OffloadingScheduler(ctx, settings, num_slots, index)
 

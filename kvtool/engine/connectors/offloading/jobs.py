@@ -44,5 +44,3 @@ class OffloadingCompletions(KVConnectorCompletions):
     # Block hashes the worker wrote to the disk tier, and those the tier evicted for room.
     written: list[bytes] = []
     evicted: list[bytes] = []
-    # The tensor-parallel rank that reports: each rank moves (and writes) its own KV-head shard.
-    tp_rank: int = 0

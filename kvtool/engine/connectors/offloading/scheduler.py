@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvtool.engine.connectors.base import ConnectorContext, RankCompletions, RankTally, SchedulerHalf
+from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
 from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
@@ -56,10 +56,6 @@ class OffloadingScheduler(SchedulerHalf):
         self.events: OffloadEventRecorder | None = None
         self.job_events: dict[int, tuple] = {}
         self.disk_events: dict[bytes, tuple] = {}
-        # Under tensor parallelism every rank reports its own jobs and disk writes: a job is done,
-        # and a block on disk, only once every rank said so.
-        self._finished_tally = RankTally(ctx.identity.tp_size)
-        self._written_tally = RankTally(ctx.identity.tp_size)
 
     def kv_event_recorder(self) -> OffloadEventRecorder:
         if self.events is None:
@@ -188,23 +184,10 @@ class OffloadingScheduler(SchedulerHalf):
         return StoreJob(job_id=job_id, request_id=req.request_id, key=key, block_ids=blocks, slot=slot,
                         copy_from_pages=copy, write_to_disk=write)
 
-    def _all_ranks(self, completions) -> OffloadingCompletions | None:
-        """What every rank has now finished, from one rank's completions or every rank's (RankCompletions)."""
-        parts = completions.parts if isinstance(completions, RankCompletions) else [completions]
-        parts = [p for p in parts if isinstance(p, OffloadingCompletions)]
-        if not parts:
-            return None
-        finished, written, evicted = [], [], []
-        for part in parts:
-            finished += self._finished_tally.report(part.finished_job_ids, part.tp_rank)
-            written += self._written_tally.report(part.written, part.tp_rank)
-            evicted += part.evicted  # gone from one rank: the block is no longer whole on disk
-        for bh in evicted:
-            self._written_tally.forget(bh)
-        return OffloadingCompletions(finished_job_ids=finished, written=written, evicted=evicted)
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        done = self._all_ranks(output.completions)
+        # Under tensor parallelism these are the runtime's aggregate: a job id or a written block
+        # arrives once every rank reported it (each rank writes its own shard).
+        done = output.completions
         if isinstance(done, OffloadingCompletions):
             if self.disk is not None:
                 for bh in done.written:

@@ -86,8 +86,7 @@ class OffloadingWorker(WorkerHalf):
             written, self._written = self._written, []
         if not (finished or written or evicted):
             return None
-        return OffloadingCompletions(finished_job_ids=finished, written=written, evicted=evicted,
-                                     tp_rank=self.ctx.identity.tp_rank)
+        return OffloadingCompletions(finished_job_ids=finished, written=written, evicted=evicted)
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
