@@ -1,4 +1,4 @@
-"""Per-rank KV in the LMCacheConnector, with LMCache's own server, keys and client.
+"""Per-rank KV in the LMCacheConnector, with LMCache's own server, keys and client (and Redis, Valkey).
 
 Each rank of a tensor-parallel engine is one LMCache worker, as each rank of a TP-N vLLM is:
 its worker half stores and loads its KV-head shard `[2, L, 256, rank_heads*head_dim]` under
@@ -254,3 +254,47 @@ def test_agreeing_world_size_and_worker_id_are_accepted(lmcache_server, tiny_mod
         assert ranks.scheduler.num_ranks == 2
     finally:
         ranks.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "valkey"])
+def test_redis_and_valkey_hold_each_rank_under_its_own_key(redis_server, tiny_model_dir, scheme):
+    """The same per-rank keys in LMCache's Redis and Valkey layouts; a TP-2 restart loads each rank's shard."""
+    import redis
+
+    from kvtool.workloads.redis_server import HOST
+
+    identity = tiny_identity(tiny_model_dir)
+    g = identity.geometry
+    p = prompt(300, 6 if scheme == "redis" else 7)
+    url = f"{scheme}://{HOST}:{redis_server.port}"
+    config = parse_kv_transfer_config(json.dumps(
+        {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+         "kv_connector_extra_config": {"remote_url": url, "hash_algo": "vllm"}}))
+    full = torch.randn((2, g.num_layers, CS, g.kv_hidden_size), generator=torch.Generator().manual_seed(6))
+    blocks = list(range(CS // g.block_size))
+    writer = RankedHalves(config, identity, make_none_hash(), 2)
+    try:
+        for r in range(2):
+            writer.fill(r, blocks, head_slice(full, 2, g.head_dim, 2, r))
+        writer.step(writer.request("w", p), first_block=0, matched=0)
+    finally:
+        writer.shutdown()
+    (key,) = make_chunk_keys(p, LMCacheKeySettings(identity.model_name, world_size=2, worker_id=0, kv_dtype="float32",
+                                                   chunk_tokens=CS, hash_algo="vllm"))
+    db = redis.Redis(host=HOST, port=redis_server.port)
+    suffix = "kv_bytes" if scheme == "redis" else ""
+    for r in range(2):
+        raw = db.get(key_for_worker(key.key, r) + suffix)
+        expected = head_slice(full, 2, g.head_dim, 2, r)
+        assert raw is not None and same_bits(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(expected.shape),
+                                             expected)
+    reader = RankedHalves(config, identity, make_none_hash(), 2)
+    try:
+        req = reader.request("r", p)
+        assert reader.matched(req) == CS
+        outputs = reader.step(req, first_block=20)
+        assert all(not o.invalid_block_ids for o in outputs)
+        for r in range(2):
+            assert same_bits(reader.gathered(r, req.block_ids[: len(blocks)], CS), head_slice(full, 2, g.head_dim, 2, r))
+    finally:
+        reader.shutdown()
