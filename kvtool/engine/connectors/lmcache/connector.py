@@ -138,7 +138,8 @@ class LMCacheScheduler(SchedulerHalf):
         tags = _request_tags(request)
         if self.settings.verify_payload:
             tags[DIGEST_TAG[0]] = DIGEST_TAG[1]  # the digest's key is the chunk's plus this tag
-        check_request_tags(tags, self.key_settings)
+        # The longest key is the last rank's (its worker id may have more digits than rank 0's).
+        check_request_tags(tags, msgspec.structs.replace(self.key_settings, worker_id=self.num_ranks - 1))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
