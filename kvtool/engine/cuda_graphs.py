@@ -110,7 +110,9 @@ class DecodeGraphs:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             with attention_context(meta):
                 hidden = self.model(s[:, 0], s[:, 1])
-            logits = self.model.compute_logits(hidden)
+            # The argmax of the half-precision logits is that of their float32 copy (the
+            # conversion is exact), so a greedy step never makes the [B, vocab] float32 copy.
+            logits = self.model.compute_logits(hidden, as_float=False)
             return logits, logits.argmax(dim=-1)
 
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.

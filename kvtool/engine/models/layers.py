@@ -176,7 +176,9 @@ class CausalLM(nn.Module):
         """[T], [T] -> [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
+        decode graph takes its argmax from those and converts only when a sampler needs it)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]].float()
+        logits = F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]]
+        return logits.float() if as_float else logits
