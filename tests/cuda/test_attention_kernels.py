@@ -330,3 +330,24 @@ def test_rope_kernel_writes_the_pages_exactly_as_the_store_kernel(hq, hkv, d, no
     q2, k2, v2 = qkv_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, 1e-6, pages=fused, layer=1, slots=slots)
     assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(v1, v2)
     assert torch.equal(separate, fused)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_launch_order_changes_no_bit(num_splits):
+    """Giving the GPU the rows longest first (as the runner and the graphs do) computes exactly
+    what row order computes, empty rows included."""
+    from kvtool.engine.attention.context import longest_first
+    from kvtool.engine.attention.triton_ops import paged_decode
+
+    bs, hkv, hq, d, width = 16, 8, 16, 128, 40
+    pages = random_pages(7 * width + 1, 2, bs, hkv, d, seed=5)
+    tables = torch.randperm(7 * width, device=DEV)[: 7 * width].view(7, width).to(torch.int32)
+    ctx = torch.tensor([5, 600, 0, 130, 640, 17, 300], dtype=torch.int32, device=DEV)
+    q = torch.randn((7, hq, d), device=DEV).to(torch.bfloat16)
+    plain, ordered = torch.full_like(q, 7.0), torch.full_like(q, -7.0)
+    paged_decode(q, pages, 1, tables, ctx, d**-0.5, num_splits, plain)
+    order = torch.from_numpy(longest_first(ctx.cpu().numpy())).to(DEV)
+    assert order.tolist() == [4, 1, 6, 3, 5, 0, 2]
+    paged_decode(q, pages, 1, tables, ctx, d**-0.5, num_splits, ordered, order)
+    assert torch.equal(plain, ordered)
+    assert not plain[2].any()

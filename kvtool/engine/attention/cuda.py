@@ -31,7 +31,9 @@ def cuda_attention(
     p = db.prefill
     out = torch.empty_like(q)
     if nd:
-        triton_ops.paged_decode(q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd])
+        triton_ops.paged_decode(
+            q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order
+        )
     if p is not None:
         if p.key_slots is not None:
             kk, vv = triton_ops.gather_kv(pages, layer, p.key_slots)
