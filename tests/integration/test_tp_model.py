@@ -3,12 +3,13 @@
 Two real processes join a gloo group on loopback; each builds its rank's shard with
 `build_model(..., tp=TPRank(2, rank))` and runs a prefill and a few greedy decode steps of two
 prompts through kvtool's own ModelRunner (hand-built SchedulerOutputs, KV pages of the rank's
-KV heads). On the tiny preset (dummy weights, and its saved safetensors) and on the embedded
+KV heads). On the tiny preset (dummy weights, and its saved safetensors), on the embedded
 default model SmolLM2-135M (real weights; 9 query / 3 KV heads, so rank 0 holds KV heads 0-1 and
-rank 1 KV head 2): the greedy tokens equal one process's, the gathered logits are within float32
-rounding of one process's and bit-identical on both ranks, and every parameter of a shard is
-exactly the rank's slice (rows or columns written out below, not derived from the code under
-test) of the whole model's tensor.
+rank 1 KV head 2) and on a small Llama with biases, an untied LM head and odd MLP and vocab
+sizes (dummy weights): the greedy tokens equal one process's, the gathered logits are within
+float32 rounding of one process's and bit-identical on both ranks, and every parameter of a
+shard is exactly the rank's slice (rows or columns written out below, not derived from the code
+under test) of the whole model's tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
-from kvtool.engine.model_dir import open_model_dir
+from kvtool.engine.model_dir import ModelConfig, open_model_dir, parse_config
 from kvtool.engine.models import build_model, iter_dummy_tensors
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.runner import ModelRunner
@@ -30,28 +31,38 @@ from kvtool.engine.tp_layout import TPRank
 
 BLOCK_SIZE = 16
 DECODE_STEPS = 4
-PROMPTS = {"tiny": [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]],
+TINY_PROMPTS = [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]]
+PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS,
            "default": [[504, 3458, 314, 260, 3575, 282, 4649, 47], [19556, 28, 1834, 359, 346, 44, 2492, 30, 1076]]}
-# Per rank: (first query head, query heads), (first KV head, KV heads), as the issue fixes them.
-HEADS = {"tiny": [((0, 2), (0, 1)), ((2, 2), (1, 1))], "default": [((0, 6), (0, 2)), ((6, 3), (2, 1))]}
+# Per rank: (first, count) of its query heads, KV heads, MLP rows and vocabulary rows.
+SPLITS = {
+    "tiny": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
+    "default": [((0, 6), (0, 2), (0, 768), (0, 24576)), ((6, 3), (2, 1), (768, 768), (24576, 24576))],
+    "uneven": [((0, 4), (0, 2), (0, 126), (0, 255)), ((4, 2), (2, 1), (126, 125), (255, 254))],
+}
+# A Llama whose every split is uneven, with biases on q/k/v/o and an untied LM head.
+UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=192, intermediate_size=251,
+              num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=32, vocab_size=509,
+              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+              attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
 JOIN_TIMEOUT_S = 600
 
 
 def _expected_slice(name: str, full: torch.Tensor, case: str, rank: int, head_dim: int) -> torch.Tensor:
     """The part of the whole model's tensor `name` that rank `rank` of 2 must hold."""
-    (q0, nq), (k0, nk) = HEADS[case][rank]
+    (q0, nq), (k0, nk), (m0, nm), (v0, nv) = SPLITS[case][rank]
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return full[q0 * head_dim : (q0 + nq) * head_dim]
     if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
         return full[k0 * head_dim : (k0 + nk) * head_dim]
     if name.endswith("o_proj.weight"):
         return full[:, q0 * head_dim : (q0 + nq) * head_dim]
-    half = full.shape[0] // 2  # gate/up rows and vocab rows split evenly in both cases
-    if name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
-        return full[rank * half : (rank + 1) * half]
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return full[m0 : m0 + nm]
     if name.endswith("down_proj.weight"):
-        half = full.shape[1] // 2
-        return full[:, rank * half : (rank + 1) * half]
+        return full[:, m0 : m0 + nm]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return full[v0 : v0 + nv]
     return full  # norms and row-parallel biases are replicated
 
 
@@ -94,15 +105,24 @@ def _drive(model, case: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     return tokens, logits
 
 
-def _full_tensors(case: str, model_dir) -> dict[str, torch.Tensor]:
-    if case == "tiny":
-        return dict(iter_dummy_tensors(model_dir.config, "cpu", 0))
+def _source(case: str, path: str | None):
+    """What build_model gets: the model directory, or the uneven case's bare config."""
+    return parse_config(UNEVEN) if path is None else open_model_dir(path)
+
+
+def _config(source) -> ModelConfig:
+    return source if isinstance(source, ModelConfig) else source.config
+
+
+def _full_tensors(case: str, source) -> dict[str, torch.Tensor]:
+    if case != "default":
+        return dict(iter_dummy_tensors(_config(source), "cpu", 0))
     from safetensors.torch import load_file
 
-    return load_file(str(model_dir.path / "model.safetensors"))
+    return load_file(str(source.path / "model.safetensors"))
 
 
-def _rank_main(rank: int, case: str, path: str, port: int, out: str) -> None:
+def _rank_main(rank: int, case: str, path: str | None, port: int, out: str) -> None:
     """One rank: join the group, build the shard(s), check them, run the steps, save the results."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -110,15 +130,16 @@ def _rank_main(rank: int, case: str, path: str, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        model_dir = open_model_dir(path)
+        source = _source(case, path)
         tp = TPRank(2, rank)
-        load_format = "dummy" if case == "tiny" else "auto"
-        model = build_model(model_dir, "cpu", torch.float32, load_format, seed=0, tp=tp)
-        full = _full_tensors(case, model_dir)
+        load_format = "auto" if case == "default" else "dummy"
+        model = build_model(source, "cpu", torch.float32, load_format, seed=0, tp=tp)
+        full = _full_tensors(case, source)
+        head_dim = _config(source).head_dim
         wrong = [name for name, p in model.named_parameters()
-                 if not torch.equal(p, _expected_slice(name, full[name], case, rank, model_dir.config.head_dim))]
+                 if not torch.equal(p, _expected_slice(name, full[name], case, rank, head_dim))]
         if case == "tiny":  # the saved weights read slice by slice give the same shard
-            saved = build_model(model_dir, "cpu", torch.float32, "auto", tp=tp)
+            saved = build_model(source, "cpu", torch.float32, "auto", tp=tp)
             wrong += [f"saved {n}" for (n, p), q in zip(model.named_parameters(), saved.parameters())
                       if not torch.equal(p, q)]
         del full
@@ -136,7 +157,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(case: str, path: str, out: Path) -> list[dict]:
+def _run_ranks(case: str, path: str | None, out: Path) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_rank_main, args=(case, path, _free_port(), str(out)), nprocs=2,
@@ -155,9 +176,12 @@ def _run_ranks(case: str, path: str, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.fixture(scope="module", params=["tiny", "default"])
+@pytest.fixture(scope="module", params=["tiny", "default", "uneven"])
 def case(request, tmp_path_factory):
-    """(case name, model directory) of the tiny preset or the embedded default model."""
+    """(case name, model directory or None) of the tiny preset, the embedded default model or
+    the uneven Llama (a bare config, dummy weights)."""
+    if request.param == "uneven":
+        return request.param, None
     if request.param == "default":
         from kvtool.engine.default_model import ensure_default_model
 
@@ -171,20 +195,21 @@ def case(request, tmp_path_factory):
 
 def test_two_ranks_compute_what_one_process_does(case, tmp_path):
     name, path = case
-    model_dir = open_model_dir(path)
-    load_format = "dummy" if name == "tiny" else "auto"
-    whole = build_model(model_dir, "cpu", torch.float32, load_format, seed=0)
+    path = None if path is None else str(path)
+    source = _source(name, path)
+    load_format = "auto" if name == "default" else "dummy"
+    whole = build_model(source, "cpu", torch.float32, load_format, seed=0)
     ref_tokens, ref_logits = _drive(whole, name)
-    ranks = _run_ranks(name, str(path), tmp_path)
+    ranks = _run_ranks(name, path, tmp_path)
 
     for r, result in enumerate(ranks):
         assert result["wrong"] == [], f"rank {r} holds wrong weights"
-        (_, nq), (_, nk) = HEADS[name][r]
+        (_, nq), (_, nk), _, _ = SPLITS[name][r]
         assert result["heads"] == (nq, nk)
         assert result["tokens"] == ref_tokens
         assert len(result["logits"]) == len(ref_logits)
         for got, want in zip(result["logits"], ref_logits):
-            assert got.shape == want.shape == (len(PROMPTS[name]), model_dir.config.vocab_size)
+            assert got.shape == want.shape == (len(PROMPTS[name]), _config(source).vocab_size)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b), "the ranks' gathered logits differ"
