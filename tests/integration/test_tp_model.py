@@ -6,15 +6,18 @@ prompts through kvtool's own ModelRunner (hand-built SchedulerOutputs, KV pages 
 KV heads). On the tiny preset (dummy weights, and its saved safetensors), on the embedded
 default model SmolLM2-135M (real weights; 9 query / 3 KV heads, so rank 0 holds KV heads 0-1 and
 rank 1 KV head 2) and on a small Llama with biases, an untied LM head and odd MLP and vocab
-sizes (dummy weights): the greedy tokens equal one process's, the gathered logits are within
-float32 rounding of one process's and bit-identical on both ranks, and every parameter of a
-shard is exactly the rank's slice (rows or columns written out below, not derived from the code
-under test) of the whole model's tensor.
+sizes (dummy weights, and saved across several safetensors files): the greedy tokens equal one
+process's, the gathered logits are within float32 rounding of one process's and bit-identical on
+both ranks, and every parameter of a shard is exactly the rank's slice (rows or columns written
+out below, not derived from the code under test) of the whole model's tensor. A broken weights
+directory is refused by each rank with the line one process gives.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -23,7 +26,8 @@ import torch
 
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
-from kvtool.engine.model_dir import ModelConfig, open_model_dir, parse_config
+from kvtool.engine.errors import ModelError
+from kvtool.engine.model_dir import open_model_dir
 from kvtool.engine.models import build_model, iter_dummy_tensors
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.runner import ModelRunner
@@ -45,6 +49,7 @@ UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
               num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=32, vocab_size=509,
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
               attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy"}
 JOIN_TIMEOUT_S = 600
 
 
@@ -105,24 +110,25 @@ def _drive(model, case: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     return tokens, logits
 
 
-def _source(case: str, path: str | None):
-    """What build_model gets: the model directory, or the uneven case's bare config."""
-    return parse_config(UNEVEN) if path is None else open_model_dir(path)
-
-
-def _config(source) -> ModelConfig:
-    return source if isinstance(source, ModelConfig) else source.config
-
-
-def _full_tensors(case: str, source) -> dict[str, torch.Tensor]:
+def _full_tensors(case: str, model_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of the whole model, as one process has it."""
     if case != "default":
-        return dict(iter_dummy_tensors(_config(source), "cpu", 0))
+        return dict(iter_dummy_tensors(model_dir.config, "cpu", 0))
     from safetensors.torch import load_file
 
-    return load_file(str(source.path / "model.safetensors"))
+    return load_file(str(model_dir.path / "model.safetensors"))
 
 
-def _rank_main(rank: int, case: str, path: str | None, port: int, out: str) -> None:
+def _load_error(path: str, tp: TPRank) -> str:
+    """The one-line ModelError building from a broken directory gives."""
+    try:
+        build_model(open_model_dir(path), "cpu", torch.float32, "auto", tp=tp)
+    except ModelError as e:
+        return str(e)
+    return "loaded"
+
+
+def _rank_main(rank: int, case: str, path: str, broken: list[str], port: int, out: str) -> None:
     """One rank: join the group, build the shard(s), check them, run the steps, save the results."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -130,23 +136,21 @@ def _rank_main(rank: int, case: str, path: str | None, port: int, out: str) -> N
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        source = _source(case, path)
+        model_dir = open_model_dir(path)
         tp = TPRank(2, rank)
-        load_format = "auto" if case == "default" else "dummy"
-        model = build_model(source, "cpu", torch.float32, load_format, seed=0, tp=tp)
-        full = _full_tensors(case, source)
-        head_dim = _config(source).head_dim
+        model = build_model(model_dir, "cpu", torch.float32, LOAD_FORMAT[case], seed=0, tp=tp)
+        full = _full_tensors(case, model_dir)
         wrong = [name for name, p in model.named_parameters()
-                 if not torch.equal(p, _expected_slice(name, full[name], case, rank, head_dim))]
-        if case == "tiny":  # the saved weights read slice by slice give the same shard
-            saved = build_model(source, "cpu", torch.float32, "auto", tp=tp)
+                 if not torch.equal(p, _expected_slice(name, full[name], case, rank, model_dir.config.head_dim))]
+        del full
+        if LOAD_FORMAT[case] == "dummy":  # the saved weights, read slice by slice, give the same shard
+            saved = build_model(model_dir, "cpu", torch.float32, "auto", tp=tp)
             wrong += [f"saved {n}" for (n, p), q in zip(model.named_parameters(), saved.parameters())
                       if not torch.equal(p, q)]
-        del full
         attn = model.model.layers[0].self_attn
         tokens, logits = _drive(model, case)
-        torch.save({"tokens": tokens, "logits": logits, "wrong": wrong,
-                    "heads": (attn.num_heads, attn.num_kv_heads)}, Path(out) / f"rank{rank}.pt")
+        torch.save({"tokens": tokens, "logits": logits, "wrong": wrong, "heads": (attn.num_heads, attn.num_kv_heads),
+                    "errors": [_load_error(b, tp) for b in broken]}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -157,10 +161,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(case: str, path: str | None, out: Path) -> list[dict]:
+def _run_ranks(case: str, path: str, broken: list[str], out: Path) -> list[dict]:
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_rank_main, args=(case, path, _free_port(), str(out)), nprocs=2,
+    ctx = mp.start_processes(_rank_main, args=(case, path, broken, _free_port(), str(out)), nprocs=2,
                              join=False, start_method="spawn")
     try:
         for _ in range(JOIN_TIMEOUT_S):
@@ -176,40 +180,68 @@ def _run_ranks(case: str, path: str | None, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.fixture(scope="module", params=["tiny", "default", "uneven"])
+def _broken_copies(src: Path, root: Path) -> list[str]:
+    """Copies of a model directory with a shape that config.json contradicts, a missing tensor
+    and a truncated file: a rank refuses each with the same line one process does."""
+    from safetensors.torch import load_file, save_file
+
+    made = []
+    for fault in ("shape", "missing", "truncated"):
+        d = root / fault
+        shutil.copytree(src, d)
+        weights = d / "model.safetensors"
+        if fault == "shape":
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["intermediate_size"] += 2
+            (d / "config.json").write_text(json.dumps(cfg))
+        elif fault == "missing":
+            tensors = load_file(weights)
+            del tensors["model.layers.1.mlp.down_proj.weight"]
+            save_file(tensors, weights, metadata={"format": "pt"})
+        else:
+            data = weights.read_bytes()
+            weights.write_bytes(data[: len(data) - 1000])
+        made.append(str(d))
+    return made
+
+
+@pytest.fixture(scope="module", params=sorted(LOAD_FORMAT))
 def case(request, tmp_path_factory):
-    """(case name, model directory or None) of the tiny preset, the embedded default model or
-    the uneven Llama (a bare config, dummy weights)."""
-    if request.param == "uneven":
-        return request.param, None
+    """(case name, model directory, broken copies) of the tiny preset, the embedded default
+    model or the uneven Llama (saved in several safetensors files)."""
     if request.param == "default":
         from kvtool.engine.default_model import ensure_default_model
 
-        return request.param, ensure_default_model()
+        return request.param, ensure_default_model(), []
+    root = tmp_path_factory.mktemp("models")
+    if request.param == "uneven":
+        from kvtool.engine.presets import write_random_model_dir
+
+        write_random_model_dir(root / "uneven", UNEVEN, seed=0, max_shard_bytes=200_000)
+        return request.param, root / "uneven", []
     from kvtool.engine.presets import create_model_dir
 
-    d = tmp_path_factory.mktemp("models") / "tiny"
-    create_model_dir(d, preset="tiny", seed=0)
-    return request.param, d
+    create_model_dir(root / "tiny", preset="tiny", seed=0)
+    return request.param, root / "tiny", _broken_copies(root / "tiny", root)
 
 
 def test_two_ranks_compute_what_one_process_does(case, tmp_path):
-    name, path = case
-    path = None if path is None else str(path)
-    source = _source(name, path)
-    load_format = "auto" if name == "default" else "dummy"
-    whole = build_model(source, "cpu", torch.float32, load_format, seed=0)
+    name, path, broken = case
+    model_dir = open_model_dir(path)
+    whole = build_model(model_dir, "cpu", torch.float32, LOAD_FORMAT[name], seed=0)
     ref_tokens, ref_logits = _drive(whole, name)
-    ranks = _run_ranks(name, path, tmp_path)
+    ref_errors = [_load_error(b, TPRank()) for b in broken]
+    ranks = _run_ranks(name, str(path), broken, tmp_path)
 
     for r, result in enumerate(ranks):
         assert result["wrong"] == [], f"rank {r} holds wrong weights"
         (_, nq), (_, nk), _, _ = SPLITS[name][r]
         assert result["heads"] == (nq, nk)
+        assert result["errors"] == ref_errors and "loaded" not in ref_errors
         assert result["tokens"] == ref_tokens
         assert len(result["logits"]) == len(ref_logits)
         for got, want in zip(result["logits"], ref_logits):
-            assert got.shape == want.shape == (len(PROMPTS[name]), _config(source).vocab_size)
+            assert got.shape == want.shape == (len(PROMPTS[name]), model_dir.config.vocab_size)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b), "the ranks' gathered logits differ"
