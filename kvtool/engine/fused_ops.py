@@ -13,6 +13,9 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
 * every projection through `row_invariant_gemm.linear` (cuBLAS, or inside prefill steps a
   kernel whose rows do not depend on the step's row count).
 
+On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one all-reduce
+(`RowParallelLinear.reduce` after the bias-free GEMM); the embedding is the module's own.
+
 Decode steps are a few hundred kernels, so their count sets the graph replay time on small
 models; prefill gains from the larger GEMMs and from fewer passes over activations. The kernels
 keep the eager rounding points: norm statistics in float32 with the normalised value cast to
@@ -32,6 +35,7 @@ from torch import nn
 from kvtool.engine.attention import attend, current_metadata
 from kvtool.engine.models.layers import DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.parallel import RowParallelLinear
 from kvtool.engine.row_invariant_gemm import linear
 
 
@@ -237,9 +241,15 @@ def _fused_rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps)
 
 
+def _project_out(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """o_proj / down_proj of x; a row-parallel one sums its partial product over the ranks."""
+    if isinstance(proj, RowParallelLinear):
+        return proj.reduce(linear(x, proj.weight, None))
+    return linear(x, proj.weight, proj.bias)
+
+
 def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    down = self.down_proj
-    return linear(silu_mul(linear(x, self.gate_up_weight)), down.weight, down.bias)
+    return _project_out(self.down_proj, silu_mul(linear(x, self.gate_up_weight)))
 
 
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -258,8 +268,7 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
         pages=meta.kv_pages.tensor if into_pages else None, layer=self.layer_idx,
         slots=db.slot_mapping if into_pages else None,
     )
-    o = self.o_proj
-    return linear(attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages), o.weight, o.bias)
+    return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
 
 
 def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
