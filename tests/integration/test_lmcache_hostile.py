@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
+from kvtool.engine.connectors.lmcache.client import GET_WINDOW
 from kvtool.engine.connectors.lmcache.wire import LMClient
 from kvtool.engine.errors import PeerError
 from kvtool.engine.params import SamplingParams
@@ -154,8 +155,8 @@ def test_silent_server_costs_one_deadline_not_one_per_chunk(make_engine, tmp_pat
         guarded(engine.close)
         num_gets = requests_seen(log, "GET")
     assert r.output_token_ids == ref.output_token_ids
-    # One GET per connection ran into the deadline; every later chunk failed without asking.
-    assert 1 <= num_gets <= 4
+    # One window of GETs per connection ran into the deadline; every later chunk failed without asking.
+    assert 1 <= num_gets <= 4 * GET_WINDOW
 
 
 def test_serve_answers_other_requests_while_a_lookup_trickles(tiny_model_dir, tmp_path):
