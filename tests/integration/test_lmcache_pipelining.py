@@ -22,6 +22,7 @@ import torch
 
 from kvtool.engine.connectors.lmcache.client import GET_WINDOW
 from kvtool.engine.connectors.lmcache.wire import LMClient, kv_chunk_header, tensor_buffer
+from kvtool.engine.errors import KVRefused
 from tests.conftest import REPO
 
 SHAPE = (2, 2, 16, 64)
@@ -112,3 +113,37 @@ def test_a_wave_through_the_connector_loads_past_a_stalled_connection(make_engin
     assert hit.stats.num_external_loaded_tokens == 20 * 16 and hit.output_token_ids == ref.output_token_ids
     assert "released by timeout" not in lines and "released by count" in lines, lines
     assert 1 <= lines.count("GET slow") <= GET_WINDOW
+
+
+@pytest.mark.peer
+def test_a_refused_reply_fails_its_item_and_the_window_is_sent_again(lmcache_server):
+    """One connection, GET_WINDOW in flight: a reply other than expected drops the connection
+    with the next GET already sent on it; that GET goes again on a fresh connection."""
+    keys, values = chunks_on_server(lmcache_server, 6)
+    header = kv_chunk_header(SHAPE, torch.bfloat16)
+    wrong = kv_chunk_header((2, 2, 8, 128), torch.bfloat16)  # same length, another shape
+    outs = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in keys]
+    items = [(k, tensor_buffer(o), wrong if i == 2 else header) for i, (k, o) in enumerate(zip(keys, outs))]
+    with LMClient(lmcache_server.host, lmcache_server.port, connections=1) as client:
+        results = client.get_many_into(items)
+        assert client.health()
+    assert isinstance(results[2], KVRefused)
+    assert results[:2] + results[3:] == [header] * 5
+    for i, (value, out) in enumerate(zip(values, outs)):
+        if i != 2:
+            assert torch.equal(value.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.peer
+def test_a_wave_on_sockets_of_a_restarted_server_reconnects(restartable_lmcache_server):
+    """The pool's sockets died with the server: the wave's GETs are sent again on fresh
+    connections and find the restarted (empty) server, instead of failing."""
+    server = restartable_lmcache_server
+    keys, _ = chunks_on_server(server, 5)
+    header = kv_chunk_header(SHAPE, torch.bfloat16)
+    outs = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in keys]
+    with LMClient(server.host, server.port, connections=2) as client:
+        assert client.get_many_into([(k, tensor_buffer(o), header) for k, o in zip(keys, outs)]) == [header] * 5
+        assert client.num_open_connections() >= 1
+        server.restart()
+        assert client.get_many_into([(k, tensor_buffer(o), header) for k, o in zip(keys, outs)]) == [None] * 5
