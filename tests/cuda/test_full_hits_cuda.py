@@ -25,7 +25,8 @@ def _offload(**extra):
 
 
 def _record_steps(engine):
-    """(request id, start, num_tokens, decode rows of the step) of every scheduled request."""
+    """Records (request id, start, num_tokens) of every scheduled request, and ("pack", decode
+    request ids, prefill request ids) of every eager CUDA step; returns (records, undo)."""
     from kvtool.engine import runner as runner_module
 
     steps = []
