@@ -45,6 +45,8 @@ QUICK = False
 HBM_TBS = 4.1
 H2D_GBS = 55.0
 PEAK_TFLOPS = 790.0
+# lm:// loads measured per connection count (after one warm-up); the median is reported.
+LM_RUNS = 5
 
 
 def record(section: str, metric: str, value: float, unit: str, floor: float | None = None, **detail) -> None:
@@ -465,8 +467,9 @@ def section_lm():
             p = tokens(n + 1, 77)
             engine.generate([p], one)
             engine.worker_connector.flush()
+            # A warm-up run, then the median of LM_RUNS: one run of a loaded socket path varies.
             rates, ttfts = [], []
-            for _ in range(4):
+            for _ in range(1 + LM_RUNS):
                 b_bytes, b_s = engine.stats().bytes_loaded, engine.stats().load_s
                 r = engine.generate([p], one)[0]
                 after = engine.stats()
@@ -474,9 +477,11 @@ def section_lm():
                 rates.append((after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9)
                 ttfts.append(r.stats.ttft_s * 1e3)
             floor = 4.0 * conns if conns == 1 else 13.6
-            record("lm", f"lm:// GET into pages, {conns} connection(s), 8k Qwen3-8B", statistics.median(rates[1:]),
-                   "GB/s", floor, runs=[round(x, 2) for x in rates], ttft_ms=round(statistics.median(ttfts[1:]), 1),
-                   goal=3.5 if conns == 1 else 10.0)
+            record("lm", f"lm:// GET into pages, {conns} connection(s), 8k Qwen3-8B, median of {LM_RUNS}",
+                   statistics.median(rates[1:]), "GB/s", floor, runs=[round(x, 2) for x in rates[1:]],
+                   warm_up=round(rates[0], 2), median_of=LM_RUNS, min=round(min(rates[1:]), 2),
+                   max=round(max(rates[1:]), 2), ttft_ms=round(statistics.median(ttfts[1:]), 1),
+                   goal=3.7 if conns == 1 else 12.0)
             engine.close()
     finally:
         server.kill()

@@ -310,8 +310,10 @@ class ModelRunner:
     # ---- CUDA backend ------------------------------------------------------------------------------
 
     def _run_cuda(self, so: SchedulerOutput) -> SampledTokens | None:
-        decode = [s for s in so.scheduled if s.num_tokens == 1]
-        prefill = [s for s in so.scheduled if s.num_tokens > 1]
+        # A prompt row is a prefill row even alone (the one token a full hit computes, a 1-token
+        # chunk): the prefill kernels give it the bits it has inside a whole-prompt prefill.
+        decode = [s for s in so.scheduled if s.num_tokens == 1 and not self._is_prompt_row(s)]
+        prefill = [s for s in so.scheduled if s.num_tokens > 1 or self._is_prompt_row(s)]
         hooks = self.hooks if self._layer_hooks_needed() else None
         rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
         dst, src = self._placeholder_rows(decode)
@@ -345,6 +347,10 @@ class ModelRunner:
         if len(sampled) != hidden.shape[0]:
             hidden = hidden.index_select(0, step.sample_rows)
         return self._sample(sampled, self.model.compute_logits(hidden))
+
+    def _is_prompt_row(self, s: ScheduledRequest) -> bool:
+        """Whether the step's tokens for `s` start inside its prompt."""
+        return s.start < self._states[s.request_id].num_prompt_tokens
 
     def _block_table(self, s: ScheduledRequest) -> np.ndarray:
         """The request's block ids as int32, from the runner's own state."""

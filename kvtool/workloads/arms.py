@@ -143,13 +143,26 @@ def hit_unit_tokens(arm: Arm, block_size: int) -> int:
     """The granularity at which the arm can serve a prefix: whole blocks, chunks or offload blocks
     (the connector's own answer).
 
-    A prompt of n tokens can have at most (n - 1) // unit * unit tokens served (the last prompt
-    token is always computed).
+    See `served_prefix_tokens` for how many tokens of a prompt that lets it serve.
     """
     ktc = arm.parsed_config()
     if ktc is None or ktc.kv_connector is None:
         return 1 if arm.reuse == "hf" else block_size
     return resolve_connector(ktc).hit_unit_tokens(ktc, block_size)
+
+
+def served_prefix_tokens(arm: Arm, num_prompt_tokens: int, shared: int, unit: int) -> int:
+    """Tokens of a prompt's first `shared` tokens the arm serves from its cache (0 for no reuse).
+
+    A connector loads every whole unit it holds, the prompt's last one too: on a full hit only
+    the last token is computed, over a last unit loaded whole. The local prefix cache (vLLM's
+    rule) serves only the whole units before the last prompt token.
+    """
+    if arm.reuse == "connector":
+        return min(shared, num_prompt_tokens) // unit * unit
+    if arm.reuse in ("prefix-cache", "server"):
+        return min(shared, num_prompt_tokens - 1) // unit * unit
+    return 0
 
 
 def hit_source(arm: Arm, rebuilt: bool) -> str | None:

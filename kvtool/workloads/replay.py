@@ -14,7 +14,8 @@ Then, per request: the output token ids of every pass of every arm must equal th
 (the trace is greedy or seeded, trace.py refuses anything else); and in the reuse pass an arm
 must have served the request's prefix from its cache (tokens loaded through the connector, or
 local prefix-cache tokens for the prefix-cache arm) wherever the prompt has at least one whole
-unit (block or chunk) before its last token that the local prefix cache did not already serve.
+unit (block or chunk; for a connector its last unit counts too, loaded whole on a full hit) that
+the local prefix cache did not already serve.
 Each violation is a Failure naming the request; the report is ok only when there are none.
 """
 
@@ -28,7 +29,7 @@ import msgspec
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams
-from kvtool.workloads.arms import Arm, hit_source, hit_unit_tokens
+from kvtool.workloads.arms import Arm, hit_source, hit_unit_tokens, served_prefix_tokens
 from kvtool.workloads.cold_pass import run_cold_pass
 from kvtool.workloads.figures import percentile, rate, to_ms
 from kvtool.workloads.trace import TraceLine
@@ -186,15 +187,15 @@ def _num_output_tokens(record: RequestRecord) -> int:
 def required_hit_tokens(arm: Arm, record: RequestRecord, unit: int) -> int:
     """Prompt tokens the reuse pass must have served from the arm's cache (0: none required).
 
-    Whole units before the last prompt token, less what the local prefix cache already served
+    The prompt's whole units the arm serves (`arms.served_prefix_tokens`: a connector's include
+    a full hit's last unit), less, for a connector, what the local prefix cache already served
     (a connector is only asked for what lies beyond the local hit).
     """
-    servable = (record.num_prompt_tokens - 1) // unit * unit
+    n = record.num_prompt_tokens
+    servable = served_prefix_tokens(arm, n, n, unit)
     if arm.reuse == "connector":
         return max(0, servable - record.num_cached_tokens)
-    if arm.reuse in ("prefix-cache", "server"):
-        return servable
-    return 0
+    return servable
 
 
 def served_tokens(arm: Arm, record: RequestRecord) -> int:

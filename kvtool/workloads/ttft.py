@@ -14,8 +14,10 @@ request of a run carries the run's own cache_salt, so nothing a previous run sto
 
 A cell is valid when every request finished, its output equals the `none` arm's for the same
 prompt, and every measured request was served exactly the tokens its arm can serve from the
-shared prefix: (min(P, N - 1) // unit) * unit, where unit is the arm's block or chunk size (and 0
-for `none`). An invalid cell carries its reason and no TTFT figures.
+shared prefix (`arms.served_prefix_tokens`): a connector arm loads min(P, N) // unit * unit (a full
+hit's last unit too, then computes the last token alone), the prefix-cache arm serves
+min(P, N - 1) // unit * unit, where unit is the arm's block or chunk size (and 0 for `none`). An
+invalid cell carries its reason and no TTFT figures.
 
 The `hf` arm (hf_baseline.py) reuses min(P, N - 1) tokens through transformers' own cache; its
 output must equal the `none` arm's in float32, and below float32 a difference is only noted
@@ -34,7 +36,7 @@ import msgspec
 from kvtool.engine.engine import LLMEngine, resolve_model_path
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens
+from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens, served_prefix_tokens
 from kvtool.workloads.figures import percentile, to_ms
 from kvtool.workloads.replay import arm_params
 from kvtool.workloads.trace_pass import flush_connector, free_device_memory
@@ -237,7 +239,7 @@ def _engine_cell(held: _HeldEngine, arm, unit, ax, cp: _CellPrompts, settings, s
     flush_connector(engine)
     tick(stage)
     m = _Measured()
-    expected_each = (min(cp.shared, n - 1) // unit * unit) if arm.reuse in ("prefix-cache", "connector") else 0
+    expected_each = served_prefix_tokens(arm, n, cp.shared, unit) if arm.reuse in ("prefix-cache", "connector") else 0
     for r in range(settings.repeats):
         if arm.rebuild_before_reuse:
             del engine

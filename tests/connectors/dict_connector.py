@@ -63,10 +63,12 @@ class DictScheduler(SchedulerHalf):
         CALLS.append("update_state_after_alloc")
         self.requests[request.request_id] = request
         first = request.num_computed_tokens // self.bs
-        for i in range(first, first + num_external_tokens // self.bs):
+        # Whole blocks: a full hit leaves the last token to compute, and its block is loaded whole.
+        end = -(-(request.num_computed_tokens + num_external_tokens) // self.bs)
+        for i in range(first, end):
             self.pending_loads.append(BlockJob(request.request_id, block_ids[i], request.block_hashes[i], self.bs))
         # Blocks that come from the store need no storing back.
-        self.stored_blocks[request.request_id] = (request.num_computed_tokens + num_external_tokens) // self.bs
+        self.stored_blocks[request.request_id] = end
 
     def build_connector_meta(self, scheduler_output):
         CALLS.append("build_connector_meta")

@@ -140,7 +140,7 @@ def test_async_stores_survive_block_reuse(cuda_engine):
     for p in prompts:
         engine.generate([p], one)
     hits = [engine.generate([p], GREEDY)[0] for p in prompts]
-    assert all(h.stats.num_external_loaded_tokens == 144 for h in hits)
+    assert all(h.stats.num_external_loaded_tokens == 160 for h in hits)  # full hits: every block
     local = cuda_engine(num_gpu_blocks=24)
     for p, h in zip(prompts, hits):
         local.generate([p], one)

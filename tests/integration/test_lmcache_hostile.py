@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
+from kvtool.engine.connectors.lmcache.client import GET_WINDOW
 from kvtool.engine.connectors.lmcache.wire import LMClient
 from kvtool.engine.errors import PeerError
 from kvtool.engine.params import SamplingParams
@@ -125,7 +126,7 @@ def test_a_load_that_trickles_or_lies_ends_under_the_policy(make_engine, tmp_pat
         r = guarded(lambda: engine.generate([p], GREEDY)[0])
         guarded(engine.close)
     if policy == "fail":
-        assert r.stats.num_external_tokens == 64  # the server claimed every whole chunk
+        assert r.stats.num_external_tokens == 79  # the server claimed every chunk: a full hit
         assert r.finish_reason == "error" and r.output_token_ids == []
         assert ("timed out" in r.error) == (mode == "trickle-get"), r.error
     else:
@@ -154,8 +155,8 @@ def test_silent_server_costs_one_deadline_not_one_per_chunk(make_engine, tmp_pat
         guarded(engine.close)
         num_gets = requests_seen(log, "GET")
     assert r.output_token_ids == ref.output_token_ids
-    # One GET per connection ran into the deadline; every later chunk failed without asking.
-    assert 1 <= num_gets <= 4
+    # One window of GETs per connection ran into the deadline; every later chunk failed without asking.
+    assert 1 <= num_gets <= 4 * GET_WINDOW
 
 
 def test_serve_answers_other_requests_while_a_lookup_trickles(tiny_model_dir, tmp_path):

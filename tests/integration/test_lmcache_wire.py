@@ -148,7 +148,7 @@ def test_exist_many_is_pipelined_on_one_connection(lmcache_server, client):
 
 
 @peer
-def test_put_many_and_get_many_stripe_over_four_connections(lmcache_server):
+def test_put_many_stripes_and_get_many_pipelines_over_four_connections(lmcache_server):
     host, port, _ = lmcache_server
     chunks = [random_chunk(seed=100 + i) for i in range(8)]
     keys = [unique_key() for _ in chunks]
@@ -160,9 +160,10 @@ def test_put_many_and_get_many_stripe_over_four_connections(lmcache_server):
     outs = [torch.empty(CHUNK_SHAPE, dtype=torch.bfloat16) for _ in range(9)]
     items = [(k, tensor_buffer(o), header) for k, o in zip(keys, outs)]
     items.insert(4, (unique_key(), tensor_buffer(outs[8]), header))  # one miss among the hits
-    with LMClient(host, port, connections=4) as striped:
-        results = striped.get_many_into(items)
-        assert striped.num_open_connections() == 4
+    with LMClient(host, port, connections=4) as pipelined:
+        results = pipelined.get_many_into(items)
+        # Items go to whichever connection is free (test_lmcache_pipelining.py): at most all four.
+        assert 1 <= pipelined.num_open_connections() <= 4
     assert results[4] is None
     assert results[:4] + results[5:] == [header] * 8
     for chunk, out in zip(chunks, outs):

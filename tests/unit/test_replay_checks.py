@@ -28,11 +28,12 @@ REFERENCE = result(record("r1", 80, [1, 2, 3]), record("r2", 40, [4, 5]), record
 
 def test_reuse_pass_that_hits_and_matches_passes():
     arm = make_builtin_arm("cpu")
-    reuse = result(record("r1", 80, [1, 2, 3], loaded=64), record("r2", 40, [4, 5], cached=16, loaded=16),
+    # 80 tokens: a full hit loads all 5 blocks (the last token is computed over the last one).
+    reuse = result(record("r1", 80, [1, 2, 3], loaded=80), record("r2", 40, [4, 5], cached=16, loaded=16),
                    record("r3", 10, [6]))
     rows, failures = check_pass(arm, "reuse", reuse, REFERENCE, unit=BS, require_hits=True)
     assert failures == []
-    assert [r.required_hit_tokens for r in rows] == [64, 16, 0]
+    assert [r.required_hit_tokens for r in rows] == [80, 16, 0]
     assert all(r.output_equal for r in rows)
 
 

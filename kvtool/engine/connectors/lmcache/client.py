@@ -12,8 +12,10 @@ The server closes the socket on any bad input and keeps no per-connection state,
 request closes its connection and the next use of that pool slot reconnects.
 
 Threading: an `LMClient` is safe to share between threads. It holds `connections` sockets; each
-call checks one out for its whole request/reply exchange, and the `*_many` calls stripe items over
-all of them.
+call checks one out for its whole request/reply exchange. `put_many` stripes items over all of
+them; `get_many_into` pipelines: each connection takes the next unclaimed item whenever its
+window of GET_WINDOW requests in flight has room, so a slow connection holds at most that many
+items of a wave while the others carry the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -48,6 +51,9 @@ logger = logging.getLogger(__name__)
 # Requests per write when pipelining: keeps both directions' socket buffers far from full, so
 # neither side can block on send while the other does.
 PIPELINE_DEPTH = 256
+# GETs in flight on one connection: the server starts on the next reply while the client reads
+# one, and a slow connection holds no more than this many items of a wave.
+GET_WINDOW = 2
 DEFAULT_BACKOFF_S = 10.0
 
 T = TypeVar("T")
@@ -135,13 +141,26 @@ class _Connection:
         return unpack_reply(self.reply_buf)
 
 
+class _GetItem:
+    """One GET of a pipelined wave: its request, where its payload goes, and its deadline once sent."""
+
+    __slots__ = ("index", "request", "target", "capacity", "expected", "deadline", "retried")
+
+    def __init__(self, index: int, request: bytes, target: memoryview, capacity: int,
+                 expected: ChunkHeader | None) -> None:
+        self.index, self.request, self.target = index, request, target
+        self.capacity, self.expected = capacity, expected
+        self.deadline: float | None = None  # time.monotonic() seconds; set when first sent
+        self.retried = False
+
+
 class LMClient:
     """A client of one LMCache `lm://` server, with a pool of `connections` sockets.
 
     Args:
         host, port: the server (see `parse_lm_url`).
-        connections: pool size; `put_many` / `get_many_into` split their items into this many
-            stripes, each on its own connection and thread.
+        connections: pool size; `put_many` splits its items into this many stripes, each on its
+            own connection and thread; `get_many_into` pipelines over all of them.
         timeout_s: the deadline of one whole operation (connect, request, every reply byte).
         backoff_s: after a missed deadline, how long every call fails at once (0: never).
 
@@ -277,19 +296,23 @@ class LMClient:
             finally:
                 self._pool.put(conn)
 
-        if num_stripes <= 1:
-            if items:
-                run_stripe(0)
-            return results
+        self._on_threads(num_stripes, run_stripe)
+        return results
+
+    def _on_threads(self, n: int, run: Callable[[int], None]) -> None:
+        """run(0) ... run(n - 1), each on a pool thread (inline when n is 1); re-raises what they raise."""
+        if n <= 1:
+            if n:
+                run(0)
+            return
         with self._executor_lock:
             if self._closed:
                 raise PeerError(f"{self.url}: client is closed")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.num_connections, thread_name_prefix="lm-wire")
             executor = self._executor
-        for future in [executor.submit(run_stripe, g) for g in range(num_stripes)]:
+        for future in [executor.submit(run, g) for g in range(n)]:
             future.result()
-        return results
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -434,25 +457,133 @@ class LMClient:
         on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
         before_item: Callable[[int], None] | None = None,
     ) -> list[ChunkHeader | KVToolError | None]:
-        """`get_into` each `(key, buf, expected)`, striped over the pool.
+        """`get_into` each `(key, buf, expected)`, pipelined over the pool.
 
-        Returns, per item in order: its header on a hit, None on a miss, or the error (PeerError
-        or KVRefused, returned, not raised) of an item that failed, so that one bad chunk leaves
-        the others' results usable. `on_result(i, result)` is called as each item ends (from a
-        stripe thread), so a caller can consume chunks while the rest are still arriving;
-        `before_item(i)` before item i starts, so a caller can recycle a ring of buffers. Each
-        item has its own deadline; after a missed one, the remaining items fail at once.
+        Each connection claims the next item in order whenever fewer than GET_WINDOW of its GETs
+        are in flight, so items go to whichever connection is free: a slow one never holds up
+        more than its window. Returns, per item in order: its header on a hit, None on a miss,
+        or the error (PeerError or KVRefused, returned, not raised) of an item that failed, so
+        that one bad chunk leaves the others' results usable. `on_result(i, result)` is called
+        as each item ends (from a pool thread), so a caller can consume chunks while the rest
+        are still arriving; `before_item(i)` just before item i's reply is read into its buffer
+        (its request may already be sent), so a caller can recycle a ring of buffers. Each
+        item has its own deadline from its send; after a missed one, the remaining items fail
+        at once. An item whose connection failed under another item is sent again on a fresh
+        connection; one that fails on a connection that served requests before is retried
+        once, within its deadline (the server may have restarted).
         """
+        results: list[ChunkHeader | KVToolError | None] = [None] * len(items)
+        lock = threading.Lock()
+        claimed = 0
 
-        def get_one(
-            conn: _Connection, item: tuple[str, Buffer, ChunkHeader | None]
-        ) -> ChunkHeader | KVToolError | None:
+        def claim() -> _GetItem | None:
+            nonlocal claimed
+            with lock:
+                if claimed >= len(items):
+                    return None
+                i, claimed = claimed, claimed + 1
+            key, buf, expected = items[i]
+            target = memoryview(buf).cast("B")
+            if target.readonly:
+                raise ValueError("get_into needs a writable buffer")
+            capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
+            return _GetItem(i, pack_request(Command.GET, key), target, capacity, expected)
+
+        def finish(item: _GetItem, result: ChunkHeader | KVToolError | None) -> None:
+            results[item.index] = result
+            if on_result is not None:
+                on_result(item.index, result)
+
+        def run_connection(_: int) -> None:
+            conn = self._checkout(self._deadline(), "a transfer")
             try:
-                return self._get_on(conn, *item)
-            except KVToolError as e:
-                return e
+                self._pipeline_gets(conn, claim, finish, before_item)
+            except BaseException:
+                conn.drop()  # replies may still be on their way: the stream is unusable
+                raise
+            finally:
+                self._pool.put(conn)
 
-        return self._striped(items, get_one, on_result, before_item)
+        self._on_threads(min(self.num_connections, len(items)), run_connection)
+        return results
+
+    def _pipeline_gets(
+        self,
+        conn: _Connection,
+        claim: Callable[[], _GetItem | None],
+        finish: Callable[[_GetItem, ChunkHeader | KVToolError | None], None],
+        before_item: Callable[[int], None] | None,
+    ) -> None:
+        """GETs on one connection, up to GET_WINDOW in flight, until no item is left to claim."""
+        window: deque[_GetItem] = deque()  # sent, reply not read yet; oldest first
+        resend: deque[_GetItem] = deque()  # sent on a connection that failed since
+        while True:
+            while len(window) < GET_WINDOW:
+                item = resend.popleft() if resend else claim()
+                if item is None:
+                    break
+                try:
+                    if self._closed:
+                        raise PeerError(f"{self.url}: GET failed: client is closed")
+                    self._refuse_if_backing_off("GET")
+                    if item.deadline is None:
+                        item.deadline = self._deadline()
+                    conn.send(item.deadline, item.request)
+                except PeerError as e:
+                    finish(item, e)
+                    continue
+                except OSError as e:
+                    self._get_connection_failed(conn, item, window, resend, e, finish, sent=False)
+                    continue
+                window.append(item)
+            if not window:
+                return
+            item = window.popleft()
+            try:
+                if before_item is not None:
+                    before_item(item.index)
+                header = refuse_reply(conn.recv_reply(item.deadline), item.capacity, item.expected)
+                if header is not None and header.length:
+                    conn.recv_into(item.target[: header.length], item.deadline)
+            except KVToolError as e:
+                conn.drop()  # a refused reply leaves its body unread: the stream is unusable
+                self._requeue(window, resend)
+                finish(item, e)
+                continue
+            except OSError as e:
+                self._get_connection_failed(conn, item, window, resend, e, finish, sent=True)
+                continue
+            finish(item, header)
+
+    @staticmethod
+    def _requeue(window: deque[_GetItem], resend: deque[_GetItem]) -> None:
+        """The window's GETs went down with their connection: send them again, each with a new deadline."""
+        for item in window:
+            item.deadline = None
+        resend.extend(window)
+        window.clear()
+
+    def _get_connection_failed(
+        self, conn: _Connection, item: _GetItem, window: deque[_GetItem], resend: deque[_GetItem],
+        error: OSError, finish: Callable[[_GetItem, ChunkHeader | KVToolError | None], None], *, sent: bool,
+    ) -> None:
+        """`item` failed on `conn` with `error`: drop the connection, then retry, fail or resend as `_exchange` does."""
+        # Requests on this socket that were answered: a reset there may only mean a restart.
+        answered = conn.num_requests - len(window) - sent if conn.sock is not None else 0
+        conn.drop()
+        self._requeue(window, resend)
+        if isinstance(error, socket.timeout):
+            if self.backoff_s > 0:
+                self._unhealthy_until = time.monotonic() + self.backoff_s
+            finish(item, PeerError(
+                f"{self.url}: GET failed: timed out: no complete answer within {self.timeout_s:g} s"))
+        elif self._closed:
+            finish(item, PeerError(f"{self.url}: GET failed: client is closed"))
+        elif answered > 0 and not item.retried:
+            item.retried = True  # within its own deadline
+            resend.appendleft(item)
+        else:
+            finish(item, PeerError(f"{self.url}: GET failed: {_describe(error)}"))
 
     def close(self) -> None:
         """Close every connection and the stripe threads; bounded whatever the server does.

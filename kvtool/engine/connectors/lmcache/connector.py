@@ -150,8 +150,9 @@ class LMCacheScheduler(SchedulerHalf):
             return cached[1], False
         keys = self._keys(request)
         first = num_computed_tokens // self.cs
-        # Whole chunks that end before the last prompt token (one token is always computed).
-        last = min((request.num_tokens - 1) // self.cs, len(keys))
+        # Whole chunks, the last one too: on a full hit the scheduler leaves only the last token
+        # to compute, and the load still writes that token's chunk whole.
+        last = min(request.num_tokens // self.cs, len(keys))
         if last <= first:
             self.lookups[rid] = (num_computed_tokens, 0)
             return 0, False
@@ -182,7 +183,8 @@ class LMCacheScheduler(SchedulerHalf):
             if not hit:
                 break
             n += 1
-        return self._settle(rid, num_computed_tokens, max(0, (lookup.first + n) * self.cs - num_computed_tokens))
+        hit_end = min((lookup.first + n) * self.cs, request.num_tokens - 1)
+        return self._settle(rid, num_computed_tokens, max(0, hit_end - num_computed_tokens))
 
     def _exist_on_every_rank(self, keys: list[str]) -> list[bool]:
         """EXIST of each chunk's key for every rank, in one pipelined batch (on the lookup thread)."""
@@ -202,8 +204,8 @@ class LMCacheScheduler(SchedulerHalf):
         self.requests[request.request_id] = request
         start = request.num_computed_tokens
         end = start + num_external_tokens
-        # Chunks that come from the store need no storing back.
-        self.next_store[request.request_id] = max(self.next_store.get(request.request_id, 0), end // self.cs)
+        # Chunks that come from the store need no storing back (a full hit's last chunk included).
+        self.next_store[request.request_id] = max(self.next_store.get(request.request_id, 0), -(-end // self.cs))
         if num_external_tokens <= 0:
             return
         keys = self._keys(request)

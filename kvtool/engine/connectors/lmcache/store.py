@@ -72,7 +72,8 @@ class RemoteStore(Protocol):
         """Fetch each `(key, buffer, expected)` into its buffer: per item the chunk's header on a
         hit, None on a miss, or the error of that item (returned, not raised).
 
-        `before_item(i)` is called before item i starts (it may block until the buffer is free);
+        `before_item(i)` is called before anything is written into item i's buffer (it may block
+        until the buffer is free; a pipelining store may have sent the item's request already);
         `on_result(i, result)` as each item ends, so a caller can consume chunks as they arrive.
         """
         ...

@@ -85,12 +85,13 @@ class OffloadingScheduler(SchedulerHalf):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_kv_consumer:
             return 0, False
-        # Whole offload blocks only, and at least the last prompt token is left to compute.
-        last = min((request.num_tokens - 1) // self.obt, len(request.block_hashes) // self.blocks_per_offload)
+        # Whole offload blocks, the last one too: on a full hit the scheduler leaves only the last
+        # token to compute, and the load still fills that token's block whole.
+        last = min(request.num_tokens // self.obt, len(request.block_hashes) // self.blocks_per_offload)
         j = num_computed_tokens // self.obt
         while j < last and self._available(self._key(request, j)):
             j += 1
-        return max(0, j * self.obt - num_computed_tokens), False
+        return max(0, min(j * self.obt, request.num_tokens - 1) - num_computed_tokens), False
 
     def _job(self, slot: int | None) -> int:
         job_id = next(self._job_ids)
