@@ -357,6 +357,7 @@ class LLMEngine:
         s.num_free_blocks = self.scheduler.pool.num_free_blocks
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
+        s.cpu_tier = self.scheduler_connector.cpu_tier_usage() if self.scheduler_connector is not None else None
         return s
 
     def flush_connector(self) -> None:

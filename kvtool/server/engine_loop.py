@@ -180,17 +180,23 @@ class _Tracked:
     sink: EventSink
     num_sent_tokens: int = 0
     has_output: bool = False
+    last_token_ts: float = 0.0  # time.monotonic() of the step that gave its latest tokens
 
 
 class EngineLoop:
     """Owns an LLMEngine from start() on: only the loop thread calls it, and it closes it at the end.
 
     on_finished(result) is called on the loop thread for every request that ends (metrics).
+    on_token_gap(seconds) is called on the loop thread for every step that gave a request tokens
+    after its first ones, with the time since its previous such step: vLLM's inter-token latency,
+    one observation per engine output, not per request.
     """
 
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestResult], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestResult], None] | None = None,
+                 on_token_gap: Callable[[float], None] | None = None) -> None:
         self._engine = engine
         self.on_finished = on_finished
+        self.on_token_gap = on_token_gap
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._parked: dict[str, list[_Add]] = {}  # loop thread: leader request id -> jobs waiting for its first token
@@ -390,10 +396,15 @@ class EngineLoop:
         self._finish(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()  # one timestamp per step, as vLLM stamps each engine core output
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue
+            if out.new_token_ids:
+                if t.has_output:
+                    self._token_gap(now - t.last_token_ts)
+                t.last_token_ts = now
             if not t.has_output and out.new_token_ids:
                 t.has_output = True
                 self._release(out.request_id)
@@ -403,6 +414,13 @@ class EngineLoop:
                 logprobs = out.new_logprobs if t.job.sampling.logprobs is not None else None
                 t.num_sent_tokens += len(out.new_token_ids)
                 t.sink.put(Tokens(list(out.new_token_ids), logprobs))
+
+    def _token_gap(self, seconds: float) -> None:
+        if self.on_token_gap is not None:
+            try:
+                self.on_token_gap(seconds)
+            except Exception:  # noqa: BLE001 - metrics must not take the loop down
+                logger.exception("on_token_gap callback failed")
 
     def _finish(self, request_id: str) -> None:
         t = self._tracked.pop(request_id)
