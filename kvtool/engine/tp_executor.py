@@ -19,6 +19,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
@@ -32,6 +33,8 @@ from kvtool.engine.tp_worker import WorkerSpec, worker_main
 SHUTDOWN_TIMEOUT_S = 120.0
 # How long a terminated worker gets before SIGKILL.
 KILL_GRACE_S = 5.0
+# How long, once a rank reports a failure, the others get to report theirs (the first one is raised).
+ROOT_CAUSE_WAIT_S = 0.5
 
 
 def free_loopback_port() -> int:
@@ -148,6 +151,7 @@ class TPExecutor:
             try:
                 conn.send_bytes(data)
             except (OSError, EOFError):
+                self.processes[rank].join(1.0)
                 self._fail(rank, self.processes[rank].exitcode)
         return ticket
 
@@ -171,9 +175,7 @@ class TPExecutor:
             sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
             pending = {self.conns[rank]: rank for rank in range(self.size) if self._expected[rank]}
             ready = wait([*pending, *sentinels])
-            for obj in ready:
-                if obj in pending:
-                    self._read(pending[obj], starting)
+            # A death first: the other ranks' errors (a collective that lost its peer) follow from it.
             for obj in ready:
                 if obj in sentinels:
                     rank = sentinels[obj]
@@ -183,6 +185,9 @@ class TPExecutor:
                     if self._expected[rank] or not self._stopping:
                         self.processes[rank].join(1.0)
                         self._fail(rank, self.processes[rank].exitcode)
+            for obj in ready:
+                if obj in pending:
+                    self._read(pending[obj], starting)
         del self._answers[ticket]
         return [answers[r] for r in range(self.size)]
 
@@ -194,9 +199,36 @@ class TPExecutor:
             self._fail(rank, self.processes[rank].exitcode)
         ticket = self._expected[rank].popleft()
         if reply[0] == "error":
-            _, kind, message = reply
-            self._fail(rank, None, kind, message, starting)
+            self._fail_from_error(rank, reply, starting)
         self._answers[ticket][rank] = reply[1]
+
+    def _fail_from_error(self, rank: int, reply: tuple, starting: bool) -> None:
+        """Raise the group's first failure: a rank that fails in a collective operation often
+        fails because another rank failed (or died) first, so look at the others a moment."""
+        _, kind, message, at = reply
+        first = (at, rank, kind, message)
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+        while time.monotonic() < deadline:
+            for other in range(self.size):
+                if other == rank or not self._expected[other]:
+                    continue
+                conn, proc = self.conns[other], self.processes[other]
+                while self._expected[other] and conn.poll():
+                    try:
+                        answer = conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    ticket = self._expected[other].popleft()
+                    if answer[0] == "error":
+                        first = min(first, (answer[3], other, answer[1], answer[2]))
+                    else:
+                        self._answers[ticket][other] = answer[1]
+                if self._expected[other] and not proc.is_alive() and not conn.poll():
+                    proc.join(1.0)
+                    self._fail(other, proc.exitcode)
+            time.sleep(0.05)
+        _, rank, kind, message = first
+        self._fail(rank, None, kind, message, starting)
 
     def _fail(self, rank: int, exitcode: int | None, kind: str = "", message: str = "",
               starting: bool = False) -> None:

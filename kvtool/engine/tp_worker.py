@@ -16,7 +16,7 @@ over one Pipe. Every message gets exactly one reply, in order:
     ("shutdown",)              ──>       worker half shutdown, process group destroyed
                                <──       ("ok", None), then the process exits
 
-A failure is the reply ("error", error class name, message) and the end of the process: the
+A failure is the reply ("error", error class name, message, time) and the end of the process: the
 group is broken once one rank is out of step. The worker never outlives the engine: the kernel
 kills it when the engine process dies (PR_SET_PDEATHSIG), and it exits when the pipe closes.
 It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the engine
@@ -29,6 +29,7 @@ import ctypes
 import os
 import pickle
 import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -86,7 +87,7 @@ def _reply_error(conn: Connection, e: BaseException) -> None:
     kind = type(e).__name__
     message = str(e) if isinstance(e, KVToolError) else f"{kind}: {e}"
     try:
-        conn.send(("error", kind if isinstance(e, KVToolError) else "", message))
+        conn.send(("error", kind if isinstance(e, KVToolError) else "", message, time.time()))
     except (OSError, EOFError):  # the engine is gone
         pass
 
