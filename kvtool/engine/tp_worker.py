@@ -38,6 +38,7 @@ from kvtool.engine.errors import KVToolError
 from kvtool.engine.params import EngineParams
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class WorkerSpec:
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """The worker process's entry point (see the module docstring for the protocol)."""
-    _die_with_parent(spec.parent_pid)
+    _die_with_parent(spec.parent_pid, f"kvtool-tp-rank{spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = _Worker(conn, spec)
@@ -72,11 +73,13 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     worker.serve()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when the engine process dies (Linux)."""
+def _die_with_parent(parent_pid: int, name: str) -> None:
+    """Ask the kernel to SIGKILL this process when the engine process dies, and name it (what
+    ps and top show) after its rank (Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the closed pipe still ends the worker
         pass
     if os.getppid() != parent_pid:  # the engine died before the request above took effect
