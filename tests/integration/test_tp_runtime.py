@@ -19,7 +19,7 @@ import pytest
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ModelError, WorkerError
-from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.params import EngineParams, SamplingParams, StructuredOutputsParams
 from kvtool.engine.tp_executor import models_are_sharded
 from tests.process_tree import running, wait_gone
 
@@ -35,10 +35,10 @@ def _params(model, **overrides) -> EngineParams:
     return EngineParams(**base)
 
 
-def _run(params: EngineParams, prompts):
+def _run(params: EngineParams, prompts, sampling=GREEDY):
     with LLMEngine(params) as engine:
         token_prompts = [engine.encode_prompt(p) if isinstance(p, str) else p for p in prompts]
-        results = engine.generate(token_prompts, GREEDY)
+        results = engine.generate(token_prompts, sampling)
         engine.check_integrity()
         pids = engine.tp_executor.pids if engine.tp_executor is not None else []
     assert wait_gone(pids) == [], "a worker outlived the engine"
@@ -56,10 +56,15 @@ def _assert_same(tp1, tp2) -> None:
 
 
 def test_tp2_equals_tp1_on_the_tiny_preset(tiny_model_dir):
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42], list(range(100, 140))]
-    tp1 = _run(_params(tiny_model_dir), prompts)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42], list(range(100, 140)), [9, 8, 7], [3, 1, 4, 1, 5]]
+    # Greedy, a seeded draw (every rank draws the same from the same logits), and a grammar
+    # (its token masks travel in the step's message).
+    sampling = [GREEDY, GREEDY, GREEDY, SamplingParams(max_tokens=8, temperature=0.8, seed=7, logprobs=2),
+                SamplingParams(max_tokens=8, temperature=0.0, logprobs=2,
+                               structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}"))]
+    tp1 = _run(_params(tiny_model_dir), prompts, sampling)
     # Async scheduling too: the ranks take their in-flight samples from their own last step.
-    tp2 = _run(_params(tiny_model_dir, tensor_parallel_size=2, async_scheduling=True), prompts)
+    tp2 = _run(_params(tiny_model_dir, tensor_parallel_size=2, async_scheduling=True), prompts, sampling)
     _assert_same(tp1, tp2)
 
 
@@ -83,6 +88,7 @@ def test_each_rank_s_connector_half_gets_its_rank_identity_and_the_stats_add_up(
         params = _params(tiny_model_dir, tensor_parallel_size=tp, kv_transfer_config=ktc(tmp_path / f"tp{tp}"))
         with LLMEngine(params) as engine:
             engine.generate([prompt], GREEDY)
+            engine.flush_connector()
             stats[tp] = msgspec.structs.replace(engine.stats())
             if tp == 2:
                 engine.add_request([5, 6, 7], GREEDY, kv_transfer_params={"explode_rank": 1})
