@@ -443,8 +443,9 @@ class LLMEngine:
         self._closed = True
         try:
             if self._in_flight is not None:  # let the device finish the step it runs
-                self._in_flight[1].result()
-                self._in_flight = None
+                pending, self._in_flight = self._in_flight[1], None
+                if self.tp_executor is None or self.tp_executor.failure is None:  # a broken group runs nothing
+                    pending.result()
             if self.kv_events is not None:
                 self.kv_events.drain(self._requests.values())
                 self.kv_events.close()

@@ -110,6 +110,11 @@ class TPExecutor:
             raise
 
     @property
+    def failure(self) -> KVToolError | None:
+        """The error that broke the group (every call raises it), or None while it is whole."""
+        return self._failure
+
+    @property
     def pids(self) -> list[int]:
         """The workers' process ids, rank order."""
         return [p.pid for p in self.processes]

@@ -470,5 +470,7 @@ class EngineLoop:
                 cmd.sink.put(self._failed())
         try:
             engine.close()
+        except KVToolError as e:  # a failure the engine names itself: one line
+            logger.error("closing the engine failed (pending KV stores may be lost): %s", e)
         except Exception:  # noqa: BLE001
             logger.exception("closing the engine failed (pending KV stores may be lost)")
