@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvtool.engine.attention import AttentionMetadata, DeviceBatch, attention_context
+from kvtool.engine.attention.context import longest_first
 from kvtool.engine.kv_pages import KVPages
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -46,9 +47,10 @@ class DecodeGraphs:
         self.width = max_blocks_per_seq
         self.num_splits_for = num_splits_for
         device = kv_pages.device
-        self.static = torch.zeros((max_batch, NUM_FIXED + self.width), dtype=torch.int32, device=device)
+        # One more column after the block table: the decode kernel's launch order (longest first).
+        self.static = torch.zeros((max_batch, NUM_FIXED + self.width + 1), dtype=torch.int32, device=device)
         # Host side of the one copy per replay; reused once the previous copy is done.
-        self.host = torch.zeros((max_batch, NUM_FIXED + self.width), dtype=torch.int32, pin_memory=True)
+        self.host = torch.zeros((max_batch, NUM_FIXED + self.width + 1), dtype=torch.int32, pin_memory=True)
         self.host_rows = self.host.numpy()
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -80,6 +82,8 @@ class DecodeGraphs:
         host = self.host_rows
         host[:batch, :cols] = rows
         host[batch:bucket, :NUM_FIXED] = (0, 0, -1, 0)
+        host[:batch, -1] = longest_first(rows[:, 3])
+        host[batch:bucket, -1] = np.arange(batch, bucket, dtype=np.int32)
         # Whole rows: one contiguous copy. Columns past a row's context are never read.
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
         self.copied.record()
@@ -93,6 +97,7 @@ class DecodeGraphs:
         s = self.static[:bucket]
         s.zero_()
         s[:, 2] = -1  # the warm-up run writes nothing into the pages
+        s[:, -1] = torch.arange(bucket, dtype=torch.int32, device=s.device)
         meta = AttentionMetadata(
             kv_pages=self.kv_pages,
             seqs=[],
@@ -101,16 +106,19 @@ class DecodeGraphs:
             device_batch=DeviceBatch(
                 slot_mapping=s[:, 2],
                 num_decode=bucket,
-                block_table=s[:, NUM_FIXED:],
+                block_table=s[:, NUM_FIXED : NUM_FIXED + self.width],
                 context_lens=s[:, 3],
                 num_splits=self.num_splits_for(bucket, self.width * self.block_size),
+                decode_order=s[:, -1],
             ),
         )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             with attention_context(meta):
                 hidden = self.model(s[:, 0], s[:, 1])
-            logits = self.model.compute_logits(hidden)
+            # The argmax of the half-precision logits is that of their float32 copy (the
+            # conversion is exact), so a greedy step never makes the [B, vocab] float32 copy.
+            logits = self.model.compute_logits(hidden, as_float=False)
             return logits, logits.argmax(dim=-1)
 
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.

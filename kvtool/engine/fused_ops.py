@@ -7,10 +7,14 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
   in the same kernel (the decoder loop is replaced by one that carries the residual);
 * attention (Llama and Qwen3): q/k/v projections as one GEMM over a concatenated weight (the
   three parameters become views of it), then one kernel that splits q/k/v, applies Qwen3's
-  per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels);
+  per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels), and k, v
+  into the KV pages at the step's slots as well (the separate store kernel is skipped);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
 * every projection through `row_invariant_gemm.linear` (cuBLAS, or inside prefill steps a
   kernel whose rows do not depend on the step's row count).
+
+On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one all-reduce
+(`RowParallelLinear.reduce` after the bias-free GEMM); the embedding is the module's own.
 
 Decode steps are a few hundred kernels, so their count sets the graph replay time on small
 models; prefill gains from the larger GEMMs and from fewer passes over activations. The kernels
@@ -28,9 +32,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kvtool.engine.attention import attend
+from kvtool.engine.attention import attend, current_metadata
 from kvtool.engine.models.layers import DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.parallel import RowParallelLinear
 from kvtool.engine.row_invariant_gemm import linear
 
 
@@ -78,8 +83,9 @@ def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, inter, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(src, dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr,
-                     D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope_heads(src, dst, page_dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr,
+                     H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                     TO_PAGE: tl.constexpr):
     h = tl.arange(0, H_PAD)
     c = tl.arange(0, HALF)
     mask = (h < NUM_HEADS)[:, None]
@@ -96,19 +102,27 @@ def _norm_rope_heads(src, dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl
         a = ((a * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
         b = ((b * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product rounded as eager does
-    o1 = (a * cos1[None, :]).to(dtype).to(tl.float32) + (-b * sin1[None, :]).to(dtype).to(tl.float32)
-    o2 = (b * cos2[None, :]).to(dtype).to(tl.float32) + (a * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(dst + off, o1.to(dtype), mask=mask)
-    tl.store(dst + off + HALF, o2.to(dtype), mask=mask)
+    o1 = ((a * cos1[None, :]).to(dtype).to(tl.float32) + (-b * sin1[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((b * cos2[None, :]).to(dtype).to(tl.float32) + (a * sin2[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(dst + off, o1, mask=mask)
+    tl.store(dst + off + HALF, o2, mask=mask)
+    if TO_PAGE:
+        # The token's row in the KV pages: heads dense, as in the contiguous output.
+        tl.store(page_dst + off, o1.to(page_dst.dtype.element_ty), mask=mask)
+        tl.store(page_dst + off + HALF, o2.to(page_dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qkv_norm_rope_kernel(
     qkv_ptr, stride_qkv, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, stride_cs, qw_ptr, kw_ptr, eps,
+    pages_ptr, layer_off, stride_blk, stride_kv, slot_ptr, stride_slot,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
-    D: tl.constexpr, HAS_NORM: tl.constexpr,
+    D: tl.constexpr, HAS_NORM: tl.constexpr, TO_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    """One token: q and k rotated (after their per-head RMSNorm for Qwen3), v copied; all contiguous out."""
+    """One token: q and k rotated (after their per-head RMSNorm for Qwen3), v copied; all
+    contiguous out, and with TO_PAGES k and v also written at the token's page slot (a negative
+    slot, a CUDA graph's padding row, writes nothing there): the step's separate store kernel
+    is then not needed."""
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     c = tl.arange(0, HALF)
@@ -118,14 +132,28 @@ def _qkv_norm_rope_kernel(
     sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + HALF + c).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
-    _norm_rope_heads(row, q_ptr + t * HQ * D, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD, D, HALF, HAS_NORM)
-    _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV, HKV_PAD, D, HALF,
-                     HAS_NORM)
+    to_page = False
+    page_row = pages_ptr
+    if TO_PAGES:
+        slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+        to_page = slot >= 0
+        safe = tl.maximum(slot, 0)
+        page_row = pages_ptr + layer_off + (safe // BLOCK_SIZE) * stride_blk + (safe % BLOCK_SIZE) * (HKV * D)
+    _norm_rope_heads(row, q_ptr + t * HQ * D, q_ptr, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD, D, HALF,
+                     HAS_NORM, False)
     hv = tl.arange(0, HKV_PAD)
     d = tl.arange(0, D)
     vmask = (hv < HKV)[:, None]
     voff = hv[:, None] * D + d[None, :]
-    tl.store(v_ptr + t * HKV * D + voff, tl.load(row + (HQ + HKV) * D + voff, mask=vmask), mask=vmask)
+    vrow = tl.load(row + (HQ + HKV) * D + voff, mask=vmask)
+    tl.store(v_ptr + t * HKV * D + voff, vrow, mask=vmask)
+    if to_page:
+        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
+                         HKV_PAD, D, HALF, HAS_NORM, True)
+        tl.store(page_row + stride_kv + voff, vrow, mask=vmask)
+    else:
+        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
+                         HKV_PAD, D, HALF, HAS_NORM, False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,9 +199,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def qkv_norm_rope(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    pages: torch.Tensor | None = None, layer: int = 0, slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (Hq + 2 Hkv) * D], normalise q/k per head when weights are given, rotate them
-    by cos/sin [T, D]. Returns contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    by cos/sin [T, D]. Returns contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
+
+    With `pages` ([NB, 2, L, bs, Hkv, D], dense within a block's token rows) and `slots` [T]
+    (flat slots, a strided view is fine; negative: skip), k and v are also written into layer `layer`'s pages."""
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -182,12 +214,22 @@ def qkv_norm_rope(
         if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
             cos, sin = cos.contiguous(), sin.contiguous()
         has_norm = q_weight is not None
+        to_pages = pages is not None
+        if to_pages:
+            _, _, _, block_size, hkv, d = pages.shape
+            if (hkv, d) != (num_kv_heads, head_dim) or pages.stride(3) != hkv * d or pages.stride(5) != 1 \
+                    or pages.stride(4) != d:
+                raise ValueError("KV pages must be dense within a block's token rows and match the heads")
         _qkv_norm_rope_kernel[(t,)](
             qkv, qkv.stride(0), q, k, v, cos, sin, cos.stride(0),
             q_weight if has_norm else qkv, k_weight if has_norm else qkv, eps,
+            pages if to_pages else qkv, layer * pages.stride(2) if to_pages else 0,
+            pages.stride(0) if to_pages else 0, pages.stride(1) if to_pages else 0,
+            slots if to_pages else qkv, slots.stride(0) if to_pages else 0,
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV=num_kv_heads, HKV_PAD=triton.next_power_of_2(num_kv_heads),
-            D=head_dim, HAS_NORM=has_norm, num_warps=4,
+            D=head_dim, HAS_NORM=has_norm, TO_PAGES=to_pages, BLOCK_SIZE=pages.shape[3] if to_pages else 1,
+            num_warps=4,
         )
     return q, k, v
 
@@ -199,22 +241,34 @@ def _fused_rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps)
 
 
+def _project_out(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """o_proj / down_proj of x; a row-parallel one sums its partial product over the ranks."""
+    if isinstance(proj, RowParallelLinear):
+        return proj.reduce(linear(x, proj.weight, None))
+    return linear(x, proj.weight, proj.bias)
+
+
 def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    down = self.down_proj
-    return linear(silu_mul(linear(x, self.gate_up_weight)), down.weight, down.bias)
+    return _project_out(self.down_proj, silu_mul(linear(x, self.gate_up_weight)))
 
 
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     qkv = linear(x, self.qkv_weight, self.qkv_bias)
     q_norm = getattr(self, "q_norm", None)
     k_norm = getattr(self, "k_norm", None)
+    # The new K/V go straight into the pages from the rope kernel, unless a connector's layer
+    # hooks run around this layer's attention (they must see the pages before the store).
+    meta = current_metadata()
+    db = meta.device_batch
+    into_pages = db is not None and meta.hooks is None
     q, k, v = qkv_norm_rope(
         qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.eps if q_norm is not None else 0.0,
+        pages=meta.kv_pages.tensor if into_pages else None, layer=self.layer_idx,
+        slots=db.slot_mapping if into_pages else None,
     )
-    o = self.o_proj
-    return linear(attend(self.layer_idx, q, k, v, self.scale), o.weight, o.bias)
+    return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
 
 
 def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ the same way and give the same bits (tests/cuda/test_row_invariance.py checks bo
 it runs on), and they are faster, so `linear` uses cuBLAS from CUBLAS_MIN_ROWS rows up.
 
 The runner turns this on for steps that compute prefill rows (`row_invariant_gemms`); decode
-steps keep cuBLAS (a decode row is computed the same way whether or not a prefix was loaded).
+steps keep cuBLAS, or the GEMV of `gemv` for a single row (a decode row is computed the same
+way whether or not a prefix was loaded).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kvtool.engine.gemv import gemv, gemv_fits
 
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
 CUBLAS_MIN_ROWS = 1024
@@ -103,6 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear for 2-D x; inside `row_invariant_gemms`, with rows independent of x's row count
     (the bias is then added after the product, by one elementwise add on either path)."""
     if not _enabled:
-        return F.linear(x, weight, bias)
+        # A decode step of one sequence: the GEMV streams the weights faster than cuBLAS does.
+        return gemv(x, weight) if gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
     y = F.linear(x, weight) if x.shape[0] >= CUBLAS_MIN_ROWS else triton_mm(x, weight)
     return y if bias is None else y.add_(bias)

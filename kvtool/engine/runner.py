@@ -33,6 +33,7 @@ from kvtool.engine.attention import (
     attention_context,
     select_backend,
 )
+from kvtool.engine.attention.context import longest_first
 from kvtool.engine.connectors.base import WorkerHalf
 from kvtool.engine.kv_pages import KVPages
 from kvtool.engine.messages import (
@@ -448,7 +449,8 @@ def pack_step(
     copy it to the device once, and return views of it.
 
     Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
-    cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows.
+    cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows |
+    decode launch order [B].
     """
     bs = block_size
     nd, width = rows.shape[0], rows.shape[1] - 4
@@ -470,12 +472,13 @@ def pack_step(
         if s.sample:
             sample_rows.append(nd + cu_q[-1] - 1)
     t_total = nd + cu_q[-1]
-    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows]
+    order = longest_first(rows[:, 3])
+    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows, order]
     host = np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in parts])
     dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
     sizes = [t_total, t_total, t_total, nd, nd * width, len(cu_q), len(cu_k),
-             cu_k[-1] if has_prefix else 0, len(sample_rows)]
-    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample = _split(dev, sizes)
+             cu_k[-1] if has_prefix else 0, len(sample_rows), nd]
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order = _split(dev, sizes)
     pre = None
     if prefill:
         pre = PrefillBatch(
@@ -493,6 +496,7 @@ def pack_step(
         context_lens=d_ctx,
         num_splits=num_splits,
         prefill=pre,
+        decode_order=d_order,
     )
     written = np.concatenate(slots) // bs
     return PackedStep(d_ids, d_pos, batch, d_sample, written)

@@ -306,3 +306,48 @@ def test_add_rms_norm_equals_the_add_then_the_norm(rows, n):
     h, y = add_rms_norm(x, d, w, 1e-6)
     assert torch.equal(h, x + d)
     assert torch.equal(y, rms_norm(x + d, w, 1e-6))
+
+
+@pytest.mark.parametrize("hq,hkv,d,norm", [(16, 8, 128, True), (9, 3, 64, False)])
+def test_rope_kernel_writes_the_pages_exactly_as_the_store_kernel(hq, hkv, d, norm):
+    """The fused rope kernel's page write (decode graphs use it) equals rope, then store_kv: bit
+    for bit, padding slots (-1) untouched, a strided slot view as the graphs pass it."""
+    from kvtool.engine.attention.triton_ops import store_kv
+    from kvtool.engine.fused_ops import qkv_norm_rope
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    t, layers, bs, nb = 5, 3, 16, 8
+    rnd = lambda *shape: torch.randn(shape, generator=g, device=DEV).to(torch.bfloat16)
+    qkv, cos, sin = rnd(t, (hq + 2 * hkv) * d), rnd(t, d), rnd(t, d)
+    qw, kw = (rnd(d), rnd(d)) if norm else (None, None)
+    rows = torch.zeros((t, 4), dtype=torch.int32, device=DEV)
+    rows[:, 2] = torch.tensor([3, 17, -1, 40, 127], dtype=torch.int32, device=DEV)
+    slots = rows[:, 2]
+    separate = random_pages(nb, layers, bs, hkv, d, seed=4)
+    fused = separate.clone()
+    q1, k1, v1 = qkv_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, 1e-6)
+    store_kv(separate, 1, k1, v1, slots.contiguous())
+    q2, k2, v2 = qkv_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, 1e-6, pages=fused, layer=1, slots=slots)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(separate, fused)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_launch_order_changes_no_bit(num_splits):
+    """Giving the GPU the rows longest first (as the runner and the graphs do) computes exactly
+    what row order computes, empty rows included."""
+    from kvtool.engine.attention.context import longest_first
+    from kvtool.engine.attention.triton_ops import paged_decode
+
+    bs, hkv, hq, d, width = 16, 8, 16, 128, 40
+    pages = random_pages(7 * width + 1, 2, bs, hkv, d, seed=5)
+    tables = torch.randperm(7 * width, device=DEV)[: 7 * width].view(7, width).to(torch.int32)
+    ctx = torch.tensor([5, 600, 0, 130, 640, 17, 300], dtype=torch.int32, device=DEV)
+    q = torch.randn((7, hq, d), device=DEV).to(torch.bfloat16)
+    plain, ordered = torch.full_like(q, 7.0), torch.full_like(q, -7.0)
+    paged_decode(q, pages, 1, tables, ctx, d**-0.5, num_splits, plain)
+    order = torch.from_numpy(longest_first(ctx.cpu().numpy())).to(DEV)
+    assert order.tolist() == [4, 1, 6, 3, 5, 0, 2]
+    paged_decode(q, pages, 1, tables, ctx, d**-0.5, num_splits, ordered, order)
+    assert torch.equal(plain, ordered)
+    assert not plain[2].any()

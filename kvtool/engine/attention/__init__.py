@@ -39,6 +39,7 @@ __all__ = [
     "SeqSpan",
     "attention_context",
     "attend",
+    "current_metadata",
     "select_backend",
 ]
 
@@ -63,13 +64,18 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> B
     return "cuda"
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Store k/v of the new tokens, attend, return [T, Hq * D]."""
+def attend(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False
+) -> torch.Tensor:
+    """Store k/v of the new tokens, attend, return [T, Hq * D].
+
+    `kv_stored`: the caller already wrote k/v into the pages at the step's slots (the CUDA rope
+    kernel does, when no layer hooks run)."""
     meta = current_metadata()
     if meta.hooks is not None:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
-        out = _cuda_attention(meta, layer, q, k, v, scale)
+        out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)

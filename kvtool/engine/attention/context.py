@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvtool.engine.kv_pages import KVPages
@@ -73,6 +74,13 @@ class DeviceBatch:
     context_lens: torch.Tensor  # [num_decode] int32
     num_splits: int  # split-KV partitions per decode sequence
     prefill: PrefillBatch | None = None
+    # [num_decode] int32: the decode rows, longest context first (the kernel's launch order).
+    decode_order: torch.Tensor | None = None
+
+
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """The rows of `context_lens` by decreasing length (ties in row order), as int32."""
+    return np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable").astype(np.int32)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Attention on CUDA over the block-major pages.
 
-Per step and layer: one Triton kernel stores the new tokens' K/V; the decode rows (q_len == 1)
+Per step and layer: one Triton kernel stores the new tokens' K/V (or the fused rope kernel
+before it did); the decode rows (q_len == 1)
 go through the Triton split-KV paged kernel; the prefill rows through the Triton prefill kernel
 (`triton_prefill`), over the new K/V, or over K/V gathered from the pages when some sequence has
 a cached prefix. That kernel gives each row the same bits wherever the computation starts, so a
@@ -16,16 +17,23 @@ from kvtool.engine.attention.context import AttentionMetadata
 from kvtool.engine.attention.triton_prefill import prefill_attention
 
 
-def cuda_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Store k/v [T, Hkv, D] of the new tokens, attend with q [T, Hq, D]. Returns [T, Hq, D]."""
+def cuda_attention(
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    kv_stored: bool = False,
+) -> torch.Tensor:
+    """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
+    Returns [T, Hq, D]."""
     db = meta.device_batch
     pages = meta.kv_pages.tensor
-    triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
+    if not kv_stored:
+        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
     nd = db.num_decode
     p = db.prefill
     out = torch.empty_like(q)
     if nd:
-        triton_ops.paged_decode(q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd])
+        triton_ops.paged_decode(
+            q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order
+        )
     if p is not None:
         if p.key_slots is not None:
             kk, vv = triton_ops.gather_kv(pages, layer, p.key_slots)

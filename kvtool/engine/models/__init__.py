@@ -4,6 +4,11 @@ safetensors weights (one file or sharded) straight onto the device, or make dumm
 Every safetensors header is checked against the model before a byte of tensor data is read: a
 truncated or corrupt file, an unexpected or duplicate tensor, a shape mismatch and a missing tensor
 are each refused with a one-line ModelError naming the file and the tensor.
+
+A tensor-parallel rank (`tp` of size > 1) builds its Megatron shard (`parallel`): it checks the
+headers against the FULL shapes as every rank does, then reads only its slice of each sharded
+tensor (safetensors' get_slice), and its dummy weights are the slices of exactly the tensors
+one rank would make with the same seed, so a sharded dummy model computes what the whole one does.
 """
 
 from __future__ import annotations
@@ -18,13 +23,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvtool.engine.errors import ModelError
+from kvtool.engine.errors import ConfigError, ModelError
 from kvtool.engine.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
+from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
+from kvtool.engine.tp_layout import TPRank, check_tp_fits
 
-__all__ = ["CausalLM", "MODEL_CLASSES", "build_model", "iter_dummy_tensors", "parameter_shapes", "read_safetensors_header"]
+__all__ = [
+    "CausalLM", "MODEL_CLASSES", "RankHeads", "build_model", "iter_dummy_tensors", "parameter_shapes",
+    "rank_heads", "read_safetensors_header", "shard_slices",
+]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -43,6 +53,7 @@ def build_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TPRank = TPRank(),
 ) -> CausalLM:
     """Create the model for `source` on `device` in `dtype`, in eval mode without gradients.
 
@@ -51,23 +62,33 @@ def build_model(
     the same seed on the same device gives the same model. On CPU the model runs the fused
     forwards of `cpu_fused`. Raises ModelError for an unsupported
     architecture or any weight-file problem (one line naming the file and tensor).
+
+    With `tp` of size > 1 it builds rank tp.rank's shard; the default process group of
+    torch.distributed must be initialised with tp.size ranks (ConfigError otherwise, or when
+    the model's heads do not split into tp.size ranks).
     """
     config = source.config if isinstance(source, ModelDir) else source
     device = torch.device(device)
     cls = _model_class(config)
+    if tp.size > 1:
+        _check_tp_group(config, tp)
+    slices = shard_slices(config, tp)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     _materialize(model, device, dtype)
     model.eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
         if load_format == "dummy":
             for name, value in iter_dummy_tensors(config, device, seed):
+                if name in slices:
+                    dim, start, count = slices[name]
+                    value = value.narrow(dim, start, count)
                 params[name].copy_(value)
         elif load_format == "auto":
             if not isinstance(source, ModelDir):
                 raise ModelError("--load-format auto needs a model directory with safetensors weights")
-            _load_safetensors(source.path, config, params, device)
+            _load_safetensors(source.path, config, params, device, slices)
         else:
             raise ModelError(f"unknown load format {load_format!r} (auto or dummy)")
     if device.type == "cpu":
@@ -75,6 +96,19 @@ def build_model(
 
         apply_cpu_fusion(model)
     return model
+
+
+def _check_tp_group(config: ModelConfig, tp: TPRank) -> None:
+    check_tp_fits(config.num_heads, config.num_kv_heads, tp.size)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(f"tensor-parallel rank {tp.rank} of {tp.size}: torch.distributed is not initialised")
+    if (dist.get_world_size(), dist.get_rank()) != (tp.size, tp.rank):
+        raise ConfigError(
+            f"tensor-parallel rank {tp.rank} of {tp.size} built in process group rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}"
+        )
 
 
 def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
@@ -97,10 +131,12 @@ def _model_class(config: ModelConfig) -> type[CausalLM]:
     return cls
 
 
-def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF weight name -> shape of every parameter the model for `config` has, in module order."""
+def parameter_shapes(config: ModelConfig, tp: TPRank = TPRank()) -> dict[str, tuple[int, ...]]:
+    """HF weight name -> shape of every parameter the model for `config` has, in module order;
+    with `tp`, of rank tp.rank's shard (built on the meta device: no memory, no process group)."""
+    cls = _model_class(config)
     with torch.device("meta"):
-        model = _model_class(config)(config)
+        model = cls(config, tp)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
@@ -168,8 +204,15 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     return header
 
 
-def _load_safetensors(root: Path, config: ModelConfig, params: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+def _load_safetensors(
+    root: Path,
+    config: ModelConfig,
+    params: dict[str, torch.nn.Parameter],
+    device: torch.device,
+    slices: dict[str, tuple[int, int, int]],
+) -> None:
     files, weight_map = weight_files(root)
+    full_shapes = parameter_shapes(config) if slices else {n: tuple(p.shape) for n, p in params.items()}
     # Check every header against the model before reading tensor data.
     found: dict[str, Path] = {}
     headers: dict[Path, dict[str, dict[str, Any]]] = {}
@@ -185,7 +228,7 @@ def _load_safetensors(root: Path, config: ModelConfig, params: dict[str, torch.n
                 raise ModelError(f"{path}: tensor {name!r} is also in {found[name].name}")
             if info["dtype"] not in _SAFETENSORS_ITEMSIZE:
                 raise ModelError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float type")
-            expected = list(params[name].shape)
+            expected = list(full_shapes[name])
             if list(info["shape"]) != expected:
                 raise ModelError(
                     f"{path}: tensor {name!r} has shape {list(info['shape'])}, config.json implies {expected}"
@@ -205,9 +248,19 @@ def _load_safetensors(root: Path, config: ModelConfig, params: dict[str, torch.n
         try:
             with safe_open(str(path), framework="pt", device=open_device) as f:
                 for name in header:
-                    if found.get(name) == path:
+                    if found.get(name) != path:
+                        continue
+                    if name in slices:
+                        params[name].copy_(_read_slice(f, name, *slices[name]))
+                    else:
                         params[name].copy_(f.get_tensor(name))
         except ModelError:
             raise
         except Exception as e:  # safetensors raises its own error types for unreadable data
             raise ModelError(f"{path}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
+
+
+def _read_slice(f: Any, name: str, dim: int, start: int, count: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + count) of a tensor, reading only those."""
+    part = f.get_slice(name)
+    return part[start : start + count] if dim == 0 else part[:, start : start + count]

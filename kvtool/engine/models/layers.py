@@ -21,6 +21,8 @@ from torch import nn
 
 from kvtool.engine.attention import ROW_MULTIPLE
 from kvtool.engine.model_dir import ModelConfig
+from kvtool.engine.models.parallel import RowParallelLinear, VocabParallelEmbedding, gather_vocab
+from kvtool.engine.tp_layout import TPRank, split_range
 
 
 def pad_rows_on_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -107,11 +109,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SwiGLU MLP; at tp.size > 1 the rank's rows of gate/up (column-parallel) and the same
+    columns of down (row-parallel, one all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPRank = TPRank()) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        rows = split_range(intermediate_size, tp.size, tp.rank)[1]
+        self.gate_proj = nn.Linear(hidden_size, rows, bias=False)
+        self.up_proj = nn.Linear(hidden_size, rows, bias=False)
+        down_cls = nn.Linear if tp.size == 1 else RowParallelLinear
+        self.down_proj = down_cls(rows, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU. [T, hidden] -> [T, hidden]."""
@@ -119,12 +126,12 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, attention: nn.Module, tp: TPRank = TPRank()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-norm attention and MLP blocks with residuals. [T, hidden] -> [T, hidden]."""
@@ -135,11 +142,14 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
 
-    def __init__(self, config: ModelConfig, attention_cls: type[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank()) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        if tp.size == 1:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_cls(config, i)) for i in range(config.num_layers)
+            DecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -161,22 +171,32 @@ class CausalLM(nn.Module):
     Interface the runner relies on: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`
     (packed tokens of every scheduled sequence, attention metadata from the step's context) and
     `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
+
+    With `tp` of size > 1 it is rank tp.rank's Megatron shard (see `parallel`): every rank
+    runs the same steps, and both methods return the full, identical result on every rank.
     """
 
     attention_cls: type[nn.Module]
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_cls)
+        self.tp = tp
+        self.model = DecoderModel(config, self.attention_cls, tp)
         # Tied models read the embedding matrix as the output projection; no lm_head parameter exists.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Untied ones hold the same vocab rows of lm_head as of the embedding.
+        vocab_rows = split_range(config.vocab_size, tp.size, tp.rank)[1]
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T], [T] -> [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
+        decode graph takes its argmax from those and converts only when a sampler needs it)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]].float()
+        logits = F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]]
+        if self.tp.size > 1:
+            logits = gather_vocab(logits, self.config.vocab_size, self.tp)
+        return logits.float() if as_float else logits

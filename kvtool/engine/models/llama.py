@@ -8,21 +8,28 @@ from torch import nn
 from kvtool.engine.attention import attend
 from kvtool.engine.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, apply_rotary
+from kvtool.engine.models.parallel import RowParallelLinear, rank_heads
+from kvtool.engine.tp_layout import TPRank
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Attention over the rank's heads: q/k/v column-parallel (the rank's heads' rows), o_proj
+    row-parallel (one all-reduce) at tp.size > 1; the whole model's heads at tp.size 1."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPRank = TPRank()) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = rank_heads(config, tp)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        o_cls = nn.Linear if tp.size == 1 else RowParallelLinear
+        self.o_proj = o_cls(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; stores this step's K/V in the pages through `attend`."""

@@ -12,11 +12,12 @@ from kvtool.engine.attention import attend
 from kvtool.engine.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, RMSNorm, apply_rotary
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.tp_layout import TPRank
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPRank = TPRank()) -> None:
+        super().__init__(config, layer_idx, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
