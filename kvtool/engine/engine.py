@@ -25,7 +25,7 @@ from kvtool.engine.request import Request, RequestStatus
 from kvtool.engine.runner import ModelRunner
 from kvtool.engine.scheduler import Scheduler
 from kvtool.engine.structured_output import StructuredOutputs
-from kvtool.engine.tp_executor import TPExecutor, models_are_sharded, start_tp_executor
+from kvtool.engine.tp_executor import TPExecutor, start_tp_executor
 from kvtool.engine.tp_layout import TPRank, check_tp_fits, kv_head_range
 
 
@@ -125,10 +125,9 @@ class LLMEngine:
         """The KV pages (here, or in every rank), the scheduler, the runner and the connector's halves."""
         params, cfg, ktc = self.params, self.model_config, self.params.kv_transfer_config
         tp = TPRank(params.tensor_parallel_size, 0)
-        sharded = self.tp_executor is not None and models_are_sharded()
         geometry = KVGeometry(
             num_layers=cfg.num_layers,
-            num_kv_heads=kv_head_range(cfg.num_kv_heads, tp)[1] if sharded else cfg.num_kv_heads,
+            num_kv_heads=kv_head_range(cfg.num_kv_heads, tp)[1],
             head_dim=cfg.head_dim,
             block_size=params.block_size,
             dtype=DTYPE_NAMES[self.dtype],
@@ -145,7 +144,7 @@ class LLMEngine:
         scheduler_half: SchedulerHalf | None = None
         worker_half: WorkerHalf | None = None
         if connector_cls is not None:
-            identity = self.identity if self.tp_executor is None else rank_identity(self.identity, tp, sharded)
+            identity = self.identity if self.tp_executor is None else rank_identity(self.identity, tp)
             ctx = ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash)
             # Each half is built on its own: they share nothing but the config and the store.
             scheduler_half = connector_cls.create_scheduler_half(ctx)

@@ -78,11 +78,8 @@ def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:
     return engine_identity(params, model_dir, resolve_dtype(params.dtype, device), device.type)
 
 
-def rank_identity(identity: EngineIdentity, tp: TPRank, sharded: bool = True) -> EngineIdentity:
+def rank_identity(identity: EngineIdentity, tp: TPRank) -> EngineIdentity:
     """The identity of one tensor-parallel rank: tp_size / tp_rank set, and the geometry of the
-    KV heads that rank holds (all of them when the model is not `sharded`). The scheduler half
-    gets rank 0's."""
-    geometry = identity.geometry
-    if sharded:
-        geometry = msgspec.structs.replace(geometry, num_kv_heads=kv_head_range(geometry.num_kv_heads, tp)[1])
+    KV heads that rank holds. The scheduler half gets rank 0's."""
+    geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=kv_head_range(identity.geometry.num_kv_heads, tp)[1])
     return msgspec.structs.replace(identity, tp_size=tp.size, tp_rank=tp.rank, geometry=geometry)

@@ -303,16 +303,6 @@ def worker_pids_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def models_are_sharded() -> bool:
-    """Whether `build_model` builds one rank's shard (it takes `tp`); else every rank holds the
-    whole model (the same outputs, without the split)."""
-    import inspect
-
-    from kvtool.engine.models import build_model
-
-    return "tp" in inspect.signature(build_model).parameters
-
-
 def start_tp_executor(params, model_path, device, dtype, max_model_len: int, identity, none_hash: bytes) -> TPExecutor:
     """Start params.tensor_parallel_size ranks for an engine (see LLMEngine) and wait until each
     has built its model; raises their start-up errors as one line."""
@@ -320,11 +310,10 @@ def start_tp_executor(params, model_path, device, dtype, max_model_len: int, ide
 
     size = params.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
-    sharded = models_are_sharded()
     specs = [
         WorkerSpec(params=params, model_path=str(model_path), device_type=device.type, dtype_name=DTYPE_NAMES[dtype],
                    tp_size=size, rank=rank, init_method=init_method, max_model_len=max_model_len,
-                   identity=identity, none_hash=none_hash, parent_pid=os.getpid(), sharded=sharded)
+                   identity=identity, none_hash=none_hash, parent_pid=os.getpid())
         for rank in range(size)
     ]
     return TPExecutor(specs)

@@ -57,8 +57,6 @@ class WorkerSpec:
     identity: EngineIdentity | None
     none_hash: bytes
     parent_pid: int
-    # Whether the model is built as this rank's shard (False: every rank holds the whole model).
-    sharded: bool
 
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
@@ -142,11 +140,8 @@ class _Worker:
         self.model_dir = open_model_dir(spec.model_path)
         self.dtype = DTYPES[spec.dtype_name]
         torch.manual_seed(p.seed)
-        if spec.sharded:
-            tp = TPRank(spec.tp_size, spec.rank)
-            self.model = build_model(self.model_dir, self.device, self.dtype, p.load_format, p.seed, tp=tp)
-        else:
-            self.model = build_model(self.model_dir, self.device, self.dtype, p.load_format, p.seed)
+        tp = TPRank(spec.tp_size, spec.rank)
+        self.model = build_model(self.model_dir, self.device, self.dtype, p.load_format, p.seed, tp=tp)
 
     def _init_cache(self, num_blocks: int) -> None:
         from kvtool.engine.connectors.base import ConnectorContext
@@ -159,13 +154,13 @@ class _Worker:
         spec, p = self.spec, self.spec.params
         cfg = self.model_dir.config
         tp = TPRank(spec.tp_size, spec.rank)
-        num_kv_heads = kv_head_range(cfg.num_kv_heads, tp)[1] if spec.sharded else cfg.num_kv_heads
+        num_kv_heads = kv_head_range(cfg.num_kv_heads, tp)[1]
         geometry = KVGeometry(num_layers=cfg.num_layers, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
                               block_size=p.block_size, dtype=DTYPE_NAMES[self.dtype])
         self.kv_pages = KVPages(geometry, num_blocks, self.device)
         ktc = p.kv_transfer_config
         if spec.identity is not None and ktc is not None and ktc.kv_connector is not None:
-            ctx = ConnectorContext(config=ktc, identity=rank_identity(spec.identity, tp, spec.sharded),
+            ctx = ConnectorContext(config=ktc, identity=rank_identity(spec.identity, tp),
                                    none_hash=spec.none_hash)
             self.connector = resolve_connector(ktc).create_worker_half(ctx)
         self.runner = ModelRunner(

@@ -20,7 +20,6 @@ from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ModelError, WorkerError
 from kvtool.engine.params import EngineParams, SamplingParams, StructuredOutputsParams
-from kvtool.engine.tp_executor import models_are_sharded
 from tests.process_tree import running, wait_gone
 
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -105,15 +104,13 @@ def test_each_rank_s_connector_half_gets_its_rank_identity_and_the_stats_add_up(
     message = str(failed.value)
     assert message.startswith("tensor-parallel worker rank 1 failed: RuntimeError: rank 1's load blew up")
     assert "\n" not in message
-    # The tiny preset has 2 KV heads: one per rank once the model is sharded.
-    heads = 1 if models_are_sharded() else 2
+    # The tiny preset has 2 KV heads: one per rank.
     assert {k: (d["tp_size"], d["num_kv_heads"]) for k, d in by_role.items()} == {
-        ("scheduler", 0): (2, heads), ("worker", 0): (2, heads), ("worker", 1): (2, heads)}
-    assert all(d["pages_kv_heads"] == heads for d in docs if d["role"] == "worker")
-    # Tokens count once (every rank stores the same ones); bytes are every rank's.
+        ("scheduler", 0): (2, 1), ("worker", 0): (2, 1), ("worker", 1): (2, 1)}
+    assert all(d["pages_kv_heads"] == 1 for d in docs if d["role"] == "worker")
+    # Tokens count once (every rank stores the same ones); bytes are every rank's: two halves.
     assert stats[2].external_tokens_stored == stats[1].external_tokens_stored == 32
-    # Bytes: 2 ranks, each with heads/2 of the KV heads (the tiny preset has 2).
-    assert stats[2].bytes_stored == 2 * stats[1].bytes_stored * heads // 2
+    assert stats[2].bytes_stored == stats[1].bytes_stored
 
 
 def test_a_killed_worker_ends_the_engine_in_one_line_naming_its_rank(tiny_model_dir):
