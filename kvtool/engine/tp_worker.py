@@ -126,6 +126,9 @@ class _Worker:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             backend = "gloo"
         dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.tp_size, rank=spec.rank)
+        # One collective now: NCCL creates its communicator on the first one, which must not be
+        # inside a CUDA graph capture; and every rank is known to be connected from here on.
+        dist.all_reduce(torch.zeros(1, device=device))
         return device
 
     def _build_model(self) -> None:
