@@ -150,3 +150,11 @@ def test_a_size_the_heads_cannot_split_into_is_refused_in_one_line(run_kvtool, t
     code, out, err = run_kvtool(["generate", "--model", tiny_model_dir, "--tensor-parallel-size", "0", "--prompt", "hello"])
     assert code == 2
     assert err.strip() == "error: --tensor-parallel-size must be between 1 and 1024, got 0"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["bench", "ttft"], ["bench", "throughput"], ["replay"]])
+def test_every_command_that_runs_a_model_takes_the_flag(run_kvtool, command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_kvtool([*command, "--help"])
+    assert code == 0
+    assert "-tp, --tensor-parallel-size" in out
