@@ -291,18 +291,6 @@ class TPExecutor:
             conn.close()
 
 
-def worker_pids_alive(pids: list[int]) -> list[int]:
-    """The ones of `pids` that still run (for callers checking nothing was left behind)."""
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(pid)
-    return alive
-
-
 def start_tp_executor(params, model_path, device, dtype, max_model_len: int, identity, none_hash: bytes) -> TPExecutor:
     """Start params.tensor_parallel_size ranks for an engine (see LLMEngine) and wait until each
     has built its model; raises their start-up errors as one line."""
