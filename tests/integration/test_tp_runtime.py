@@ -158,3 +158,24 @@ def test_every_command_that_runs_a_model_takes_the_flag(run_kvtool, command, mon
     code, out, _ = run_kvtool([*command, "--help"])
     assert code == 0
     assert "-tp, --tensor-parallel-size" in out
+
+
+def test_tp2_with_the_cpu_tier_loads_each_rank_s_shard_and_gives_the_same_tokens(tiny_model_dir):
+    # Each rank's worker half keeps its own KV shard in its own CPU pool, at the slots the one
+    # scheduler half assigns; a slot is free again only once every rank has finished its job.
+    prompt = [(i * 31) % 240 + 5 for i in range(80)]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    (ref,) = _run(_params(tiny_model_dir), [prompt], sampling)
+    ktc = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                               "kv_load_failure_policy": "fail"}))
+    params = _params(tiny_model_dir, tensor_parallel_size=2, kv_transfer_config=ktc, enable_prefix_caching=False)
+    with LLMEngine(params) as engine:
+        first = engine.generate([prompt], sampling)[0]
+        engine.flush_connector()
+        second = engine.generate([prompt], sampling)[0]
+        engine.flush_connector()
+        engine.check_integrity()
+        assert engine.scheduler_connector.slots.num_pinned == 0
+    assert first.stats.num_external_stored_tokens == 80
+    assert second.stats.num_external_loaded_tokens == 64
+    _assert_same([ref, ref], [first, second])
