@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from kvtool.engine.errors import KVToolError
+from kvtool.engine.errors import KVToolError, WorkerError
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import SamplingParams
 
@@ -59,7 +59,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 def is_engine_failure(e: BaseException) -> bool:
     """Whether an exception means the engine itself is broken (device lost, memory exhausted),
     as opposed to one request's fault."""
-    if isinstance(e, (MemoryError, SystemError)):
+    if isinstance(e, (MemoryError, SystemError, WorkerError)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(e, accelerator_error):
@@ -197,6 +197,9 @@ class EngineLoop:
         self._engine = engine
         self.on_finished = on_finished
         self.on_token_gap = on_token_gap
+        # Called on the loop thread with the exception once the engine failed and every request ended.
+        self.on_engine_failed: Callable[[BaseException], None] | None = None
+        self._failure: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._parked: dict[str, list[_Add]] = {}  # loop thread: leader request id -> jobs waiting for its first token
@@ -290,12 +293,20 @@ class EngineLoop:
                 self._stats = msgspec.structs.replace(engine.stats())
                 self._queues = (self._stats.num_running, self._stats.num_waiting)
         except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
-            logger.exception("the engine loop failed; refusing new requests")
-            self.error = f"the engine failed: {type(e).__name__}: {e}"
+            self._failure = e
+            if isinstance(e, KVToolError):  # a failure the engine names itself: one line
+                logger.error("the engine failed: %s; refusing new requests", e)
+                self.error = f"the engine failed: {e}"
+            else:
+                logger.exception("the engine loop failed; refusing new requests")
+                self.error = f"the engine failed: {type(e).__name__}: {e}"
+
         finally:
             with self._lock:
                 self._accepting = False
             self._end_all()
+            if self._failure is not None and self.on_engine_failed is not None:
+                self.on_engine_failed(self._failure)
 
     def _step(self) -> None:
         """One engine step; a failure that belongs to requests ends them, not the loop."""
@@ -477,5 +488,7 @@ class EngineLoop:
                 cmd.sink.put(self._failed())
         try:
             engine.close()
+        except KVToolError as e:  # a failure the engine names itself: one line
+            logger.error("closing the engine failed (pending KV stores may be lost): %s", e)
         except Exception:  # noqa: BLE001
             logger.exception("closing the engine failed (pending KV stores may be lost)")
