@@ -13,7 +13,7 @@ import typer
 from kvtool.commands import render
 from kvtool.commands.engine_build import open_engine
 from kvtool.commands.options import with_engine_options
-from kvtool.engine.errors import ConfigError
+from kvtool.engine.errors import ConfigError, WorkerError
 from kvtool.engine.params import EngineParams
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish; the rest are aborted.
@@ -112,12 +112,23 @@ def serve(
                 timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S + _UVICORN_SHUTDOWN_BACKSTOP_S),
             )
             server = _draining_server(config)
+            lost_workers: list[WorkerError] = []
+
+            def engine_failed(e: BaseException) -> None:
+                # Without its tensor-parallel workers the engine can serve nothing: stop serving.
+                if isinstance(e, WorkerError):
+                    lost_workers.append(e)
+                    server.should_exit = True
+
+            app.state.engine_loop.on_engine_failed = engine_failed
             sock.listen(2048)
             try:
                 server.run(sockets=[sock])
             finally:
                 # Normally done at lifespan shutdown already; a forced exit (second Ctrl-C) skips that.
                 app.state.engine_loop.shutdown()
+            if lost_workers:
+                raise lost_workers[0]
     finally:
         sock.close()
 

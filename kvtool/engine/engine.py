@@ -16,7 +16,7 @@ from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resol
 from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.hashing import make_none_hash
-from kvtool.engine.identity import engine_identity, identity_for_model, resolve_device, resolve_dtype
+from kvtool.engine.identity import engine_identity, identity_for_model, rank_identity, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.messages import KVConnectorOutput
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
@@ -25,6 +25,8 @@ from kvtool.engine.request import Request, RequestStatus
 from kvtool.engine.runner import ModelRunner
 from kvtool.engine.scheduler import Scheduler
 from kvtool.engine.structured_output import StructuredOutputs
+from kvtool.engine.tp_executor import TPExecutor, start_tp_executor
+from kvtool.engine.tp_layout import TPRank, check_tp_fits, kv_head_range
 
 
 Progress = Callable[[str, float], None]
@@ -63,30 +65,92 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
-        torch.manual_seed(params.seed)
-        self.model = build_model(self.model_dir, self.device, self.dtype, params.load_format, params.seed)
+        tp_size = params.tensor_parallel_size
+        check_tp_fits(cfg.num_heads, cfg.num_kv_heads, tp_size)
+        if tp_size > 1 and self.device.type == "cuda" and torch.cuda.device_count() < tp_size:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp_size} needs {tp_size} CUDA devices, found {torch.cuda.device_count()}"
+            )
+        # TP > 1: the model, its KV pages and the connector's worker half live in the worker
+        # processes (tp_executor.py); this process keeps the scheduler and the scheduler half.
+        self.tp_executor: TPExecutor | None = None
+        self.none_hash = make_none_hash()
+        self.identity: EngineIdentity | None = None
+        if connector_cls is not None:
+            self.identity = engine_identity(params, self.model_dir, self.dtype, self.device.type)
+        if tp_size == 1:
+            torch.manual_seed(params.seed)
+            self.model = build_model(self.model_dir, self.device, self.dtype, params.load_format, params.seed)
+        else:
+            self.model = None
+            self.tp_executor = start_tp_executor(params, self.model_dir.path, self.device, self.dtype,
+                                                 self.max_model_len, self.identity, self.none_hash)
+        try:
+            scheduler_half, worker_half = self._init_cache_and_connector(connector_cls)
+            self._open_kv_events(scheduler_half)
+        except BaseException:
+            if self.tp_executor is not None:
+                self.tp_executor.close()
+            raise
+        self.worker_connector = worker_half
+        self.scheduler_connector = scheduler_half
+        self.async_scheduling = (
+            params.async_scheduling if params.async_scheduling is not None else self.device.type == "cuda"
+        )
+        # Under async scheduling: the step the device is running (its message and its pending result).
+        self._in_flight = None
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        # Seeds for requests that bring none: reproducible from --seed, independent of batching.
+        self._seeds = torch.Generator().manual_seed(params.seed)
+        self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
+        self._closed = False
 
+    def _open_kv_events(self, scheduler_half: SchedulerHalf | None) -> None:
+        """KV events (kv_events.py): the block pool records, step() publishes one batch."""
+        params = self.params
+        self.kv_events = None
+        if params.kv_events_config is not None:
+            # pyzmq is loaded only by an engine that publishes.
+            from kvtool.engine.kv_event_publisher import open_kv_event_stream
+
+            self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
+        if self.kv_events is not None:
+            self.kv_events.attach(self.scheduler.pool)
+            recorder = scheduler_half.kv_event_recorder() if scheduler_half is not None else None
+            if recorder is not None:
+                self.kv_events.recorders.append(recorder)
+
+    def _init_cache_and_connector(self, connector_cls) -> tuple[SchedulerHalf | None, WorkerHalf | None]:
+        """The KV pages (here, or in every rank), the scheduler, the runner and the connector's halves."""
+        params, cfg, ktc = self.params, self.model_config, self.params.kv_transfer_config
+        tp = TPRank(params.tensor_parallel_size, 0)
         geometry = KVGeometry(
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=kv_head_range(cfg.num_kv_heads, tp)[1],
             head_dim=cfg.head_dim,
             block_size=params.block_size,
             dtype=DTYPE_NAMES[self.dtype],
         )
-        self.num_blocks = self._num_blocks(geometry)
-        self.kv_pages = KVPages(geometry, self.num_blocks, self.device)
-        self.none_hash = make_none_hash()
+        if self.tp_executor is None:
+            self.num_blocks = self._num_blocks(geometry)
+            self.kv_pages = KVPages(geometry, self.num_blocks, self.device)
+        else:
+            # Rank 0 holds the most KV heads; every rank gets as many blocks as the tightest can hold.
+            self.num_blocks = min(self._num_blocks(geometry, info) for info in self.tp_executor.memory_info)
+            self.kv_pages = None
+            self.tp_executor.init_cache(self.num_blocks)
 
         scheduler_half: SchedulerHalf | None = None
         worker_half: WorkerHalf | None = None
-        self.identity: EngineIdentity | None = None
         if connector_cls is not None:
-            self.identity = engine_identity(params, self.model_dir, self.dtype, self.device.type)
-            ctx = ConnectorContext(config=ktc, identity=self.identity, none_hash=self.none_hash)
+            identity = self.identity if self.tp_executor is None else rank_identity(self.identity, tp)
+            ctx = ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash)
             # Each half is built on its own: they share nothing but the config and the store.
             scheduler_half = connector_cls.create_scheduler_half(ctx)
             try:
-                worker_half = connector_cls.create_worker_half(ctx)
+                if self.tp_executor is None:
+                    worker_half = connector_cls.create_worker_half(ctx)
             except BaseException:
                 scheduler_half.shutdown()
                 raise
@@ -101,42 +165,22 @@ class LLMEngine:
             connector=scheduler_half,
             kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
         )
-        self.runner = ModelRunner(
-            self.model, self.kv_pages, self.device, worker_half, max_model_len=self.max_model_len,
-            use_cuda_graphs=not params.enforce_eager, backend=params.attention_backend,
-        )
-        self.worker_connector = worker_half
-        self.scheduler_connector = scheduler_half
-        self.async_scheduling = (
-            params.async_scheduling if params.async_scheduling is not None else self.device.type == "cuda"
-        )
-        # Under async scheduling: the step the device is running (its message and its pending result).
-        self._in_flight = None
-        self._requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        # Seeds for requests that bring none: reproducible from --seed, independent of batching.
-        self._seeds = torch.Generator().manual_seed(params.seed)
-        self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
-        self._closed = False
-        # KV events (kv_events.py): the block pool records, step() publishes one batch.
-        self.kv_events = None
-        if params.kv_events_config is not None:
-            # pyzmq is loaded only by an engine that publishes.
-            from kvtool.engine.kv_event_publisher import open_kv_event_stream
+        if self.tp_executor is None:
+            self.runner = ModelRunner(
+                self.model, self.kv_pages, self.device, worker_half, max_model_len=self.max_model_len,
+                use_cuda_graphs=not params.enforce_eager, backend=params.attention_backend,
+            )
+        else:
+            self.runner = self.tp_executor
+        return scheduler_half, worker_half
 
-            self.kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
-        if self.kv_events is not None:
-            self.kv_events.attach(self.scheduler.pool)
-            recorder = scheduler_half.kv_event_recorder() if scheduler_half is not None else None
-            if recorder is not None:
-                self.kv_events.recorders.append(recorder)
-
-    def _num_blocks(self, geometry: KVGeometry) -> int:
+    def _num_blocks(self, geometry: KVGeometry, free_total: tuple[int, int] | None = None) -> int:
+        """KV blocks that fit; free_total: a worker's (free, total) device bytes (else this process's)."""
         p = self.params
         if p.num_gpu_blocks is not None:
             return p.num_gpu_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, total = free_total if free_total is not None else torch.cuda.mem_get_info(self.device)
             budget = free - (1.0 - p.gpu_memory_utilization) * total
             n = int(budget // geometry.bytes_per_block)
         else:
@@ -357,12 +401,18 @@ class LLMEngine:
         s.num_free_blocks = self.scheduler.pool.num_free_blocks
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
+        s.cpu_tier = self.scheduler_connector.cpu_tier_usage() if self.scheduler_connector is not None else None
         return s
 
     def flush_connector(self) -> None:
         """Wait until the connector's background stores (disk writes, remote PUTs) have landed,
         and tell the scheduler half what finished (so the tier slots they held are free now, not
         after the next step)."""
+        if self.tp_executor is not None and self.scheduler_connector is not None:
+            completions = self.tp_executor.flush_connector(take_completions=self._in_flight is None)
+            if completions is not None:
+                self.scheduler_connector.update_connector_output(KVConnectorOutput(completions=completions))
+            return
         if self.worker_connector is None:
             return
         self.worker_connector.flush()
@@ -391,14 +441,20 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        if self._in_flight is not None:  # let the device finish the step it runs
-            self._in_flight[1].result()
-            self._in_flight = None
-        if self.kv_events is not None:
-            self.kv_events.drain(self._requests.values())
-            self.kv_events.close()
-        if self.worker_connector is not None:
-            self.worker_connector.shutdown()
+        try:
+            if self._in_flight is not None:  # let the device finish the step it runs
+                pending, self._in_flight = self._in_flight[1], None
+                if self.tp_executor is None or self.tp_executor.failure is None:  # a broken group runs nothing
+                    pending.result()
+            if self.kv_events is not None:
+                self.kv_events.drain(self._requests.values())
+                self.kv_events.close()
+            if self.worker_connector is not None:
+                self.worker_connector.shutdown()
+        finally:
+            # The workers' halves write their pending stores as they stop; a broken group is killed.
+            if self.tp_executor is not None:
+                self.tp_executor.close()
         if self.scheduler_connector is not None:
             self.scheduler_connector.shutdown()
 

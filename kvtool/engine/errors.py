@@ -35,3 +35,9 @@ class KVLoadError(KVToolError):
     """A request ended because its external KV failed to load under the `fail` policy."""
 
     exit_code = 1
+
+
+class WorkerError(KVToolError):
+    """A tensor-parallel worker process died or failed; the engine cannot go on."""
+
+    exit_code = 1

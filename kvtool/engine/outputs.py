@@ -56,6 +56,14 @@ class RequestResult(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict | None = None
 
 
+class CPUTierUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """How a connector's CPU tier is used right now, in its own slots (one offload block each)."""
+
+    num_slots: int
+    num_filled: int  # slots holding a block (evictable ones included)
+    num_pinned: int  # slots a load or store in flight holds (never evicted until it ends)
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """Engine totals since start."""
 
@@ -78,3 +86,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    # The connector's CPU tier, when it has one (SchedulerHalf.cpu_tier_usage()).
+    cpu_tier: CPUTierUsage | None = None

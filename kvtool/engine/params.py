@@ -17,6 +17,7 @@ MAX_SEED = 2**64 - 1
 MAX_NUM_BLOCKS = 2**31 - 1
 MAX_TOKENS = 2**24  # context lengths and per-step token budgets
 MAX_NUM_SEQS = 2**16
+MAX_TENSOR_PARALLEL_SIZE = 1024
 # The --model string names the model in disk-tier headers and LMCache keys: a path at most.
 MAX_MODEL_CHARS = 4096
 
@@ -53,6 +54,8 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_backend: Literal["auto", "reference"] = "auto"
     # vLLM's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared over zmq); None: off.
     kv_events_config: KVEventsConfig | None = None
+    # Worker processes, one rank each, that split the model Megatron-style (vLLM's -tp); 1: in-process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
@@ -72,6 +75,7 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check_fits_memory("--kv-cache-memory", self.kv_cache_memory)
         _check_range("--max-num-batched-tokens", self.max_num_batched_tokens, 1, MAX_TOKENS)
         _check_range("--max-num-seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        _check_range("--tensor-parallel-size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
         if self.max_model_len is not None:
             _check_range("--max-model-len", self.max_model_len, 1, MAX_TOKENS)
         if self.model is not None and not 1 <= len(self.model) <= MAX_MODEL_CHARS:

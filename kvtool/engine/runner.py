@@ -118,6 +118,11 @@ class PendingOutput:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    @property
+    def connector_output(self) -> KVConnectorOutput | None:
+        """The step's connector output (known at once: the worker half's step is synchronous)."""
+        return self._connector_output
+
     def result(self) -> ModelRunnerOutput:
         s = self._sampled
         if s is None:

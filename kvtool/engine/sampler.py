@@ -4,7 +4,8 @@
 their device: only the sampled ids (and, when asked, the top logprobs) come back to the host.
 The processing order is vLLM v1's:
 
-    allowed-token mask (structured outputs) -> bad words -> logit_bias -> min_tokens
+    allowed-token mask (structured outputs) -> bad words -> logit_bias -> min_tokens (not where
+    the grammar allows nothing but EOS or a stop id: its end outranks min_tokens)
     -> repetition penalty (prompt + output tokens) -> frequency / presence penalties (output)
     -> greedy rows: argmax here
     -> temperature -> min_p -> top_k -> top_p -> Gumbel-max draw
@@ -173,9 +174,13 @@ def _apply_processors(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
                 banned_rows.append(i)
                 banned_ids.append(word[-1])
         if p.min_tokens and len(out) < p.min_tokens:
-            for t in (*r.eos_token_ids, *p.stop_token_ids):
-                banned_rows.append(i)
-                banned_ids.append(t)
+            ends = (*r.eos_token_ids, *p.stop_token_ids)
+            # A complete grammar allows nothing but its end: it outranks min_tokens (vLLM masks the
+            # end too and samples from a row with every token banned, a token outside the grammar).
+            if r.allowed_token_bitmask is None or not _allows_only(r.allowed_token_bitmask, ends, vocab):
+                for t in ends:
+                    banned_rows.append(i)
+                    banned_ids.append(t)
         if p.logit_bias:
             for t, b in p.logit_bias.items():
                 bias_rows.append(i)
@@ -195,6 +200,13 @@ def _apply_processors(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if penalised:
         _apply_penalties(x, [rows[i] for i in penalised], torch.tensor(penalised, dtype=torch.long, device=dev))
+
+
+def _allows_only(bitmask: torch.Tensor, ids: Sequence[int], vocab: int) -> bool:
+    """Whether a structured-output bitmask (int32 [W]) allows no id of [0, vocab) outside `ids`."""
+    allowed = unpack_bitmask(bitmask.cpu().unsqueeze(0), vocab)[0]
+    allowed[[t for t in ids if t < vocab]] = False
+    return not bool(allowed.any())
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

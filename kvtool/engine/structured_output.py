@@ -5,7 +5,11 @@ llguidance matcher (a JSON schema, any JSON object, a regex, a list of choices o
 and refuses one that does not compile with an InputError. Before each step, `bitmask` gives the
 ids the grammar allows next (an int32 bitmask the sampler applies on the logits' device); after
 it, `advance` feeds the sampled token. Once the grammar is complete it allows only EOS, so the
-request ends there.
+request ends there, even before `min_tokens` (the sampler then does not ban EOS: the grammar's
+end outranks min_tokens). Under `ignore_eos` EOS does not end it: it goes on to `max_tokens`
+(which always fits the context) sampling EOS, the one token the grammar still allows, so its
+text stays the grammar's. vLLM 0.33 leaves the grammar there: under min_tokens it samples from a
+row with every token banned, and once the grammar has ended it no longer constrains the output.
 """
 
 from __future__ import annotations

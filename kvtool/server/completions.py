@@ -9,13 +9,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvtool.server.context import ServerContext, by_logprob, new_call_id, usage_of
-from kvtool.server.engine_loop import Failed, Finished, Tokens
-from kvtool.server.errors import failed_error, kv_load_error
-from kvtool.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from kvtool.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from kvtool.server.sampling import DEFAULT_COMPLETION_MAX_TOKENS, make_sampling, resolve_max_tokens
-from kvtool.server.streaming import (
-    DONE, IncrementalText, Reply, json_response, merged_events, sse, sse_error, sse_response, start_all, wait_all,
-)
+from kvtool.server.streamed_choices import stream_choices
+from kvtool.server.streaming import IncrementalText, Reply, json_response, sse, sse_response, start_all, wait_all
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, request: Request) -> Response:
@@ -89,7 +86,6 @@ async def _stream(ctx: ServerContext, handles, reply: Reply, body: CompletionReq
     texts = [IncrementalText(ctx.tokenizer, body.stop_strings) for _ in handles]
     offsets = [0] * len(handles)
     first = [True] * len(handles)
-    results = [None] * len(handles)
 
     def chunk(i: int, delta: str, token_ids: list[int], logprobs: list[dict[int, float]], final: dict[str, Any]) -> str:
         choice = CompletionChoice(index=i, text=delta, logprobs=None, **final)
@@ -107,27 +103,11 @@ async def _stream(ctx: ServerContext, handles, reply: Reply, body: CompletionReq
     for i, text in enumerate(echo):
         if text:
             yield chunk(i, text, [], [], {"finish_reason": None})
-    async for i, event in merged_events(handles):
-        if isinstance(event, Tokens):
-            delta = texts[i].push(event.token_ids)
-            if delta or every_step:
-                yield chunk(i, delta, event.token_ids, event.logprobs or [], {"finish_reason": None})
-        elif isinstance(event, Finished):
-            r = event.result
-            results[i] = r
-            n = texts[i].num_tokens
-            final = {"finish_reason": r.finish_reason, "stop_reason": event.stop_reason}
-            yield chunk(i, texts[i].finish(r.text), r.output_token_ids[n:], (r.logprobs or [])[n:], final)
-            if r.finish_reason == "error":
-                yield sse_error(kv_load_error(r))
-        elif isinstance(event, Failed):
-            yield sse_error(failed_error(event))
-            yield DONE
-            return
-    if None in results:
-        return  # the client went away
-    if body.include_usage:
-        usage: Usage = usage_of(results, first_of_prompt)
-        yield sse(CompletionResponse(id=reply.id, object="text_completion", created=reply.created,
-                                     model=reply.model, choices=[], usage=usage))
-    yield DONE
+
+    def usage_chunk(results) -> str:
+        return sse(CompletionResponse(id=reply.id, object="text_completion", created=reply.created,
+                                      model=reply.model, choices=[], usage=usage_of(results, first_of_prompt)))
+
+    async for line in stream_choices(handles, texts, chunk, every_step=every_step,
+                                     usage_chunk=usage_chunk if body.include_usage else None):
+        yield line

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from kvtool.engine.errors import KVToolError
+from kvtool.engine.errors import KVToolError, WorkerError
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import SamplingParams
 
@@ -59,7 +59,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 def is_engine_failure(e: BaseException) -> bool:
     """Whether an exception means the engine itself is broken (device lost, memory exhausted),
     as opposed to one request's fault."""
-    if isinstance(e, (MemoryError, SystemError)):
+    if isinstance(e, (MemoryError, SystemError, WorkerError)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(e, accelerator_error):
@@ -180,17 +180,26 @@ class _Tracked:
     sink: EventSink
     num_sent_tokens: int = 0
     has_output: bool = False
+    last_token_ts: float = 0.0  # time.monotonic() of the step that gave its latest tokens
 
 
 class EngineLoop:
     """Owns an LLMEngine from start() on: only the loop thread calls it, and it closes it at the end.
 
     on_finished(result) is called on the loop thread for every request that ends (metrics).
+    on_token_gap(seconds) is called on the loop thread for every step that gave a request tokens
+    after its first ones, with the time since its previous such step: vLLM's inter-token latency,
+    one observation per engine output, not per request.
     """
 
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestResult], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestResult], None] | None = None,
+                 on_token_gap: Callable[[float], None] | None = None) -> None:
         self._engine = engine
         self.on_finished = on_finished
+        self.on_token_gap = on_token_gap
+        # Called on the loop thread with the exception once the engine failed and every request ended.
+        self.on_engine_failed: Callable[[BaseException], None] | None = None
+        self._failure: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._parked: dict[str, list[_Add]] = {}  # loop thread: leader request id -> jobs waiting for its first token
@@ -284,12 +293,20 @@ class EngineLoop:
                 self._stats = msgspec.structs.replace(engine.stats())
                 self._queues = (self._stats.num_running, self._stats.num_waiting)
         except Exception as e:  # noqa: BLE001 - the loop must report, not vanish
-            logger.exception("the engine loop failed; refusing new requests")
-            self.error = f"the engine failed: {type(e).__name__}: {e}"
+            self._failure = e
+            if isinstance(e, KVToolError):  # a failure the engine names itself: one line
+                logger.error("the engine failed: %s; refusing new requests", e)
+                self.error = f"the engine failed: {e}"
+            else:
+                logger.exception("the engine loop failed; refusing new requests")
+                self.error = f"the engine failed: {type(e).__name__}: {e}"
+
         finally:
             with self._lock:
                 self._accepting = False
             self._end_all()
+            if self._failure is not None and self.on_engine_failed is not None:
+                self.on_engine_failed(self._failure)
 
     def _step(self) -> None:
         """One engine step; a failure that belongs to requests ends them, not the loop."""
@@ -390,10 +407,15 @@ class EngineLoop:
         self._finish(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()  # one timestamp per step, as vLLM stamps each engine core output
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue
+            if out.new_token_ids:
+                if t.has_output:
+                    self._token_gap(now - t.last_token_ts)
+                t.last_token_ts = now
             if not t.has_output and out.new_token_ids:
                 t.has_output = True
                 self._release(out.request_id)
@@ -403,6 +425,13 @@ class EngineLoop:
                 logprobs = out.new_logprobs if t.job.sampling.logprobs is not None else None
                 t.num_sent_tokens += len(out.new_token_ids)
                 t.sink.put(Tokens(list(out.new_token_ids), logprobs))
+
+    def _token_gap(self, seconds: float) -> None:
+        if self.on_token_gap is not None:
+            try:
+                self.on_token_gap(seconds)
+            except Exception:  # noqa: BLE001 - metrics must not take the loop down
+                logger.exception("on_token_gap callback failed")
 
     def _finish(self, request_id: str) -> None:
         t = self._tracked.pop(request_id)
@@ -459,5 +488,7 @@ class EngineLoop:
                 cmd.sink.put(self._failed())
         try:
             engine.close()
+        except KVToolError as e:  # a failure the engine names itself: one line
+            logger.error("closing the engine failed (pending KV stores may be lost): %s", e)
         except Exception:  # noqa: BLE001
             logger.exception("closing the engine failed (pending KV stores may be lost)")

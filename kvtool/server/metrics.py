@@ -5,11 +5,15 @@ What vLLM 0.33 also measures is named as vLLM names it (`vllm:*`, labels `model_
 `vllm:kv_cache_usage_perc` work unchanged; figures only kvtool has keep a `kvtool:` name. Two
 names that vLLM's published dashboard still queries but vLLM 0.33 dropped,
 `vllm:gpu_cache_usage_perc` and `vllm:time_per_output_token_seconds`, are exposed as the same
-figures as their successors.
+figures as their successors. `vllm:kv_offload_cpu_cache_usage_perc` is there only when the
+connector has a CPU tier (vLLM: the OffloadingConnector's CPU spec) and means what vLLM means:
+the share of its slots pinned by transfers in flight; how full it is has a kvtool: name.
 
 Engine totals are read at scrape time from the engine loop's copy of EngineStats, by a custom
 collector, so the numbers are exactly the engine's. Per-request histograms are recorded when a
-request ends. The inter-token latency of a request is recorded as its mean gap, once per gap.
+request ends. The inter-token latency is recorded as vLLM records it: one observation per engine
+output that gave a request tokens after its first ones, the time since that request's previous
+output (`observe_token_gap`, called by the engine loop as the step ends).
 """
 
 from __future__ import annotations
@@ -99,6 +103,18 @@ class _EngineStatsCollector(Collector):
         yield self._counter("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.", s.bytes_stored)
         yield self._counter("vllm:kv_offload_store_time", "Total store time from GPU to offload storage, in seconds.",
                             s.store_s)
+        if s.cpu_tier is not None and s.cpu_tier.num_slots:
+            tier = s.cpu_tier
+            # vLLM's CPU offload manager counts as used the chunks neither free nor evictable,
+            # i.e. those a transfer in flight holds (kv_offload/cpu/manager.py get_stats).
+            yield self._gauge("vllm:kv_offload_cpu_cache_usage_perc",
+                              "Fraction of CPU KV-cache space currently pinned by active transfers "
+                              "(0.0 = idle, 1.0 = saturated).", tier.num_pinned / tier.num_slots)
+            yield self._gauge("kvtool:kv_offload_cpu_cache_filled_perc",
+                              "Fraction of CPU KV-cache slots holding a block (evictable ones included).",
+                              tier.num_filled / tier.num_slots)
+            yield self._gauge("kvtool:kv_offload_cpu_cache_slots", "Slots (offload blocks) of the CPU KV-cache tier.",
+                              tier.num_slots)
         # kvtool's own figures.
         yield self._counter("kvtool:requests", "Requests added to the engine.", s.num_requests)
         yield self._counter("kvtool:connector_loaded_tokens", "Tokens of KV loaded through the connector.",
@@ -173,11 +189,12 @@ class ServerMetrics:
         self.decode.observe(decode)
         self.inference.observe(max(0.0, st.ttft_s - queue) + decode)
         if n_out > 1:
-            gap = decode / (n_out - 1)
-            self.tpot.observe(gap)
-            self.tpot_old.observe(gap)
-            for _ in range(n_out - 1):
-                self.itl.observe(gap)
+            self.tpot.observe(decode / (n_out - 1))
+
+    def observe_token_gap(self, seconds: float) -> None:
+        """One inter-token gap of one request (vLLM's inter_token_latencies_iter entry)."""
+        self.itl.observe(seconds)
+        self.tpot_old.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -7,6 +7,7 @@ One tiny-model server (started with vLLM's command-line shape) is shared by the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -310,6 +311,7 @@ def test_vllm_metric_names_types_and_labels(server, client):
         "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
         "vllm:kv_offload_load_bytes": "counter", "vllm:kv_offload_load_time": "counter",
         "vllm:kv_offload_store_bytes": "counter", "vllm:kv_offload_store_time": "counter",
+        "vllm:kv_offload_cpu_cache_usage_perc": "gauge",
     }.items():
         assert types.get(name) == kind, (name, types.get(name))
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -323,3 +325,58 @@ def test_every_metric_of_vllm_s_grafana_dashboard_exists_with_its_type(server):
     types = _exposition(server)
     missing = {m["name"]: m["type"] for m in dashboard["metrics"] if types.get(m["name"]) != m["type"]}
     assert missing == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_inter_token_latency_is_one_observation_per_token_gap(server, client, stream):
+    # vLLM observes the time between a request's consecutive outputs (one token each here), so a
+    # request of N tokens adds N - 1 observations; the per-request mean adds one.
+    itl, tpot = "vllm:inter_token_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count"
+    before = server.metrics()
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=7,
+                                         temperature=0, stream=stream, stream_options={"include_usage": True} if stream else None,
+                                         extra_body={"ignore_eos": True})
+    usage = [c.usage for c in out if c.usage][-1] if stream else out.usage
+    assert usage.completion_tokens == 7
+    after = server.metrics()
+    assert after[itl] - before[itl] == 6
+    assert after["vllm:time_per_output_token_seconds_count"] - before["vllm:time_per_output_token_seconds_count"] == 6
+    assert after[tpot] - before[tpot] == 1
+
+
+def test_offload_cpu_cache_usage_is_vllm_s_gauge_and_fullness_kvtool_s(server, client):
+    prompt = "a long prompt for the CPU tier, " * 3  # several whole blocks of sixteen tokens to store
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'vllm:kv_offload_cpu_cache_usage_perc{{engine="0",model_name="{MODEL}"}}' in text
+    m = server.metrics()
+    slots = m["kvtool:kv_offload_cpu_cache_slots"]
+    pinned = m["vllm:kv_offload_cpu_cache_usage_perc"] * slots
+    filled = m["kvtool:kv_offload_cpu_cache_filled_perc"] * slots
+    assert slots >= 1 and 0 <= round(pinned) <= round(filled) <= slots and round(filled) >= 4
+    assert abs(pinned - round(pinned)) < 1e-6 and abs(filled - round(filled)) < 1e-6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_complete_grammar_ends_the_request_before_min_tokens(client, engine, stream):
+    # After "yes" the grammar allows only EOS, which min_tokens would ban: the grammar's end wins.
+    out = client.completions.create(model=MODEL, prompt="yes or no:", max_tokens=40, temperature=1.0, seed=3,
+                                    stream=stream, stream_options={"include_usage": True} if stream else None,
+                                    extra_body={"guided_choice": ["yes"], "min_tokens": 20})
+    chunks = list(out) if stream else [out]
+    text = "".join(c.text for ch in chunks for c in ch.choices)
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    usage = [ch.usage for ch in chunks if ch.usage][-1]
+    assert (text, finish, usage.completion_tokens) == ("yes", ["stop"], 4)  # "yes" and EOS
+    # Where the grammar may go on, min_tokens still holds: digits until 6 tokens at least.
+    digits = client.completions.create(model=MODEL, prompt="n:", max_tokens=12, temperature=1.0, seed=4,
+                                       logit_bias={str(t): 50 for t in engine.model_config.eos_token_ids},  # EOS once allowed
+                                       extra_body={"guided_regex": "[0-9]+", "min_tokens": 6})
+    assert re.fullmatch("[0-9]+", digits.choices[0].text) and digits.usage.completion_tokens == 7
+
+
+def test_ignore_eos_with_a_complete_grammar_runs_to_max_tokens_and_keeps_its_text(client):
+    out = client.completions.create(model=MODEL, prompt="yes or no:", max_tokens=12, temperature=0,
+                                    extra_body={"guided_choice": ["yes"], "ignore_eos": True})
+    assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == ("yes", "length", 12)
+    _assert_serving(client)

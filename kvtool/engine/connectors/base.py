@@ -42,6 +42,7 @@ from kvtool.engine.messages import (
     SchedulerOutput,
     TransferStats,
 )
+from kvtool.engine.outputs import CPUTierUsage
 from kvtool.engine.tp_layout import TPRank, kv_head_range
 
 if TYPE_CHECKING:
@@ -166,6 +167,10 @@ class SchedulerHalf(abc.ABC):
     def kv_event_recorder(self):
         """Start recording vLLM KV events for the tiers this half indexes, and return the recorder
         (a `kv_events.OffloadEventRecorder`) the engine drains each step; None: no tiers of its own."""
+        return None
+
+    def cpu_tier_usage(self) -> CPUTierUsage | None:
+        """How the CPU tier this half indexes is used now (read by the engine's stats()); None: no CPU tier."""
         return None
 
     def shutdown(self) -> None:

@@ -19,6 +19,7 @@ from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
 from kvtool.engine.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.messages import KVConnectorOutput
+from kvtool.engine.outputs import CPUTierUsage
 
 
 def block_hash_of(key: bytes) -> bytes:
@@ -249,6 +250,12 @@ class OffloadingScheduler(SchedulerHalf):
         self.requests.pop(request.request_id, None)
         self.next_store.pop(request.request_id, None)
         return False, None
+
+    def cpu_tier_usage(self) -> CPUTierUsage:
+        # Every pin is a job's (job_slots), so the pinned slots are counted from the few jobs in
+        # flight rather than by a walk over every slot at each step.
+        pinned = {slot for slot in self.job_slots.values() if slot is not None}
+        return CPUTierUsage(num_slots=self.slots.num_slots, num_filled=len(self.slots), num_pinned=len(pinned))
 
     def shutdown(self) -> None:
         if self.disk is not None:
