@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +25,7 @@ from kvtool.engine.connectors.lmcache.client import GET_WINDOW
 from kvtool.engine.connectors.lmcache.wire import LMClient
 from kvtool.engine.errors import PeerError
 from kvtool.engine.params import SamplingParams
-from tests.conftest import REPO
+from tests.port_process import port_process
 from tests.server_process import ServerProcess
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -40,17 +38,8 @@ def broken_server(tmp_path: Path, mode: str, trickle_s: float = 0.75) -> Iterato
     """Start tests/broken_lm_server.py in `mode`; yields (port, request log); killed by PID."""
     log = tmp_path / f"{mode}-requests.log"
     log.touch()
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "broken_lm_server.py"), mode, "--trickle-s", str(trickle_s),
-         "--log", str(log)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        yield int(proc.stdout.readline()), log
-    finally:
-        proc.kill()
-        proc.wait()
+    with port_process("broken_lm_server.py", mode, "--trickle-s", str(trickle_s), "--log", str(log)) as port:
+        yield port, log
 
 
 def requests_seen(log: Path, command: str) -> int:

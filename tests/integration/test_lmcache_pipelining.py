@@ -11,8 +11,6 @@ they never time anything.
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 from kvtool.engine.connectors.lmcache.client import GET_WINDOW
 from kvtool.engine.connectors.lmcache.wire import LMClient, kv_chunk_header, tensor_buffer
 from kvtool.engine.errors import KVRefused
-from tests.conftest import REPO
+from tests.port_process import port_process
 
 SHAPE = (2, 2, 16, 64)
 WAVE = 16
@@ -34,17 +32,9 @@ def stalling_proxy(tmp_path: Path, upstream_port: int, release_after: int) -> It
     """Start tests/stalling_lm_proxy.py in front of the server; yields (port, log); killed by PID."""
     log = tmp_path / "proxy.log"
     log.touch()
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "stalling_lm_proxy.py"), str(upstream_port),
-         "--release-after", str(release_after), "--fallback-s", "20", "--log", str(log)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        yield int(proc.stdout.readline()), log
-    finally:
-        proc.kill()
-        proc.wait()
+    with port_process("stalling_lm_proxy.py", str(upstream_port), "--release-after", str(release_after),
+                      "--fallback-s", "20", "--log", str(log)) as port:
+        yield port, log
 
 
 def chunks_on_server(server, n: int) -> tuple[list[str], list[torch.Tensor]]:
