@@ -284,7 +284,8 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     whose probability reaches top_p (at least one)."""
     n, vocab = x.shape
     dev = x.device
-    sorted_x, order = x.sort(dim=-1, descending=False)
+    # Stable: tied logits keep id order, so which of them a cut drops never depends on the batch.
+    sorted_x, order = x.sort(dim=-1, descending=False, stable=True)
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long, device=dev)
     kth = sorted_x.gather(1, (vocab - k).unsqueeze(1))
     sorted_x = sorted_x.masked_fill(sorted_x < kth, _NEG_INF)
@@ -299,6 +300,21 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 # ---- logprobs --------------------------------------------------------------------------------------------
 
 
+def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [N, k] of each row's k largest values of float32 x [N, V], ties to the lower id.
+
+    torch.topk breaks ties by whichever kernel the shape selects, so the ids of tied logprobs
+    could change with the batch. Each value is mapped to an int64 that orders like the float
+    (its bits, negatives flipped) in the high half and the reversed id in the low half: every
+    key is distinct, and the top k keys are the same whatever rows surround them.
+    """
+    bits = x.contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ids = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
+    keys = ordered * (1 << 32) + (_MASK32 - ids)
+    return _MASK32 - torch.topk(keys, k, dim=-1).values % (1 << 32)
+
+
 def _gather_logprobs(
     raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
 ) -> list[dict[int, float] | None]:
@@ -308,8 +324,8 @@ def _gather_logprobs(
     top_v: list[list[float]] = [[] for _ in params]
     top_i: list[list[int]] = [[] for _ in params]
     if k > 0:
-        values, indices = torch.topk(raw, k, dim=-1)
-        top_v, top_i = values.tolist(), indices.tolist()
+        indices = top_ids(raw, k)
+        top_v, top_i = raw.gather(1, indices).tolist(), indices.tolist()
     token_list = tokens.tolist()
     out: list[dict[int, float] | None] = []
     for row, p in enumerate(params):

@@ -9,7 +9,7 @@ import torch
 
 from kvtool.engine.errors import InputError
 from kvtool.engine.params import SamplingParams
-from kvtool.engine.sampler import SampleRow, _apply_processors, row_key, sample, uniform_noise
+from kvtool.engine.sampler import SampleRow, _apply_processors, row_key, sample, top_ids, uniform_noise
 
 VOCAB = 50
 
@@ -160,6 +160,21 @@ def test_logprobs_are_the_raw_log_softmax():
     assert set(lps[0]) == {tokens[0], *top}
     for t, v in lps[0].items():
         assert v == pytest.approx(float(raw[t]), abs=1e-5)
+
+
+def test_tied_logprobs_name_the_lower_ids_whatever_the_batch():
+    """Tied values go to the lower id: the ids a row's top logprobs name never depend on the
+    rows around it (bf16 logits tie often)."""
+    x = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0, -math.inf, -0.0, 0.0]])
+    assert top_ids(x, 8).tolist() == [[1, 2, 4, 0, 7, 6, 3, 5]]
+    rand = torch.randn(7, 300, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(top_ids(rand, 9), torch.topk(rand, 9).indices)
+    tied = (rand * 4).round() / 4  # many ties per row
+    alone = [top_ids(tied[i : i + 1], 20) for i in range(7)]
+    assert torch.equal(top_ids(tied, 20), torch.cat(alone))
+    for row, ids in zip(tied, torch.cat(alone)):
+        v = row[ids]
+        assert bool((v[:-1] >= v[1:]).all()) and float(v[-1]) >= float(row.sort(descending=True).values[19])
 
 
 @pytest.mark.parametrize("field,value", [
