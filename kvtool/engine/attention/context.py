@@ -76,6 +76,27 @@ class DeviceBatch:
     prefill: PrefillBatch | None = None
     # [num_decode] int32: the decode rows, longest context first (the kernel's launch order).
     decode_order: torch.Tensor | None = None
+    # Batch-invariant decode (`triton_tiles`): [num_decode] int32 first tile slot of each row,
+    # and the tile slots to allocate; None: the split-KV kernel of `triton_ops`.
+    tile_base: torch.Tensor | None = None
+    num_tiles: int = 0
+
+
+# Tokens per tile of the batch-invariant decode kernel (`triton_tiles`).
+TILE = 256
+
+
+def tile_bases(context_lens: np.ndarray) -> tuple[np.ndarray, int]:
+    """(first tile slot of each sequence [B] int32, tiles of the batch) for `context_lens` [B]."""
+    n = -(-np.asarray(context_lens, dtype=np.int64) // TILE)
+    return (np.cumsum(n) - n).astype(np.int32), int(n.sum())
+
+
+def tile_capacity(batch: int, max_context: int, cache_tokens: int) -> int:
+    """Tile slots that hold any batch of `batch` sequences of distinct blocks: each holds at most
+    ceil(max_context / TILE), and all of them together at most one per TILE cache tokens plus one
+    partial tile each. (Sequences sharing prefix blocks can need more; callers check.)"""
+    return min(batch * -(-max_context // TILE), cache_tokens // TILE + batch)
 
 
 def longest_first(context_lens: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Attention on CUDA over the block-major pages.
 
 Per step and layer: one Triton kernel stores the new tokens' K/V (or the fused rope kernel
-before it did); the decode rows (q_len == 1)
-go through the Triton split-KV paged kernel; the prefill rows through the Triton prefill kernel
+before it did); the decode rows (q_len == 1) go through the Triton split-KV paged kernel (in
+batch-invariant mode, the fixed-tile one of `triton_tiles`); the prefill rows through the Triton prefill kernel
 (`triton_prefill`), over the new K/V, or over K/V gathered from the pages when some sequence has
 a cached prefix. That kernel gives each row the same bits wherever the computation starts, so a
 prompt computed after a KV hit matches the same prompt computed whole.
@@ -15,6 +15,7 @@ import torch
 from kvtool.engine.attention import triton_ops
 from kvtool.engine.attention.context import AttentionMetadata
 from kvtool.engine.attention.triton_prefill import prefill_attention
+from kvtool.engine.attention.triton_tiles import paged_decode_tiles
 
 
 def cuda_attention(
@@ -30,7 +31,12 @@ def cuda_attention(
     nd = db.num_decode
     p = db.prefill
     out = torch.empty_like(q)
-    if nd:
+    if nd and db.tile_base is not None:
+        paged_decode_tiles(
+            q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
+            db.num_splits, out[:nd], db.decode_order,
+        )
+    elif nd:
         triton_ops.paged_decode(
             q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order
         )
