@@ -12,6 +12,10 @@ copy from a pinned buffer, and replays; the graph ends with the logits and their
 greedy step reads back B token ids and nothing else. The split-KV partition count is fixed per bucket so that a replay stays valid
 for any context up to the table width; empty splits exit at once. All graphs share one memory
 pool; the logits of a replay are read before the next replay, which is all such sharing needs.
+
+In batch-invariant mode a graph is captured with the row-invariant GEMMs on and the fixed-tile
+decode kernel, whose tile slots are sized for the bucket (`tile_slots`); a batch that needs
+more (sequences sharing prefix blocks) runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 from torch import nn
 
 from kvtool.engine.attention import AttentionMetadata, DeviceBatch, attention_context
-from kvtool.engine.attention.context import longest_first
+from kvtool.engine.attention.context import longest_first, tile_bases, tile_capacity
 from kvtool.engine.kv_pages import KVPages
+from kvtool.engine.row_invariant_gemm import row_invariant_gemms
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 NUM_FIXED = 4  # token id, position, slot, context length
@@ -38,6 +43,7 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks_per_seq: int,
         num_splits_for: Callable[[int, int], int],
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -46,11 +52,15 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.width = max_blocks_per_seq
         self.num_splits_for = num_splits_for
+        self.batch_invariant = batch_invariant
+        self.cache_tokens = kv_pages.num_blocks * self.block_size
         device = kv_pages.device
-        # One more column after the block table: the decode kernel's launch order (longest first).
-        self.static = torch.zeros((max_batch, NUM_FIXED + self.width + 1), dtype=torch.int32, device=device)
+        # Two more columns after the block table: the first tile slot of each row (batch-invariant
+        # decode) and the decode kernel's launch order (longest first).
+        cols = NUM_FIXED + self.width + 2
+        self.static = torch.zeros((max_batch, cols), dtype=torch.int32, device=device)
         # Host side of the one copy per replay; reused once the previous copy is done.
-        self.host = torch.zeros((max_batch, NUM_FIXED + self.width + 1), dtype=torch.int32, pin_memory=True)
+        self.host = torch.zeros((max_batch, cols), dtype=torch.int32, pin_memory=True)
         self.host_rows = self.host.numpy()
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -64,8 +74,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def fits(self, batch: int, max_context: int) -> bool:
-        return batch <= self.max_batch and -(-max_context // self.block_size) <= self.width
+    def tile_slots(self, bucket: int) -> int:
+        """Tile slots a bucket's graph allocates (batch-invariant decode)."""
+        return tile_capacity(bucket, self.width * self.block_size, self.cache_tokens)
+
+    def fits(self, context_lens: np.ndarray) -> bool:
+        """Whether a graph can run decode rows of these context lengths."""
+        batch = len(context_lens)
+        if batch > self.max_batch or -(-int(context_lens.max()) // self.block_size) > self.width:
+            return False
+        return not self.batch_invariant or tile_bases(context_lens)[1] <= self.tile_slots(self.bucket_for(batch))
 
     def run(self, rows: np.ndarray, patch: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for rows [B, NUM_FIXED + w] (int32, w <= width).
@@ -82,6 +100,9 @@ class DecodeGraphs:
         host = self.host_rows
         host[:batch, :cols] = rows
         host[batch:bucket, :NUM_FIXED] = (0, 0, -1, 0)
+        bases, num_tiles = tile_bases(rows[:, 3])
+        host[:batch, -2] = bases
+        host[batch:bucket, -2] = num_tiles
         host[:batch, -1] = longest_first(rows[:, 3])
         host[batch:bucket, -1] = np.arange(batch, bucket, dtype=np.int32)
         # Whole rows: one contiguous copy. Columns past a row's context are never read.
@@ -110,15 +131,17 @@ class DecodeGraphs:
                 context_lens=s[:, 3],
                 num_splits=self.num_splits_for(bucket, self.width * self.block_size),
                 decode_order=s[:, -1],
+                tile_base=s[:, -2] if self.batch_invariant else None,
+                num_tiles=self.tile_slots(bucket),
             ),
         )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            with attention_context(meta):
+            with attention_context(meta), row_invariant_gemms(self.batch_invariant):
                 hidden = self.model(s[:, 0], s[:, 1])
-            # The argmax of the half-precision logits is that of their float32 copy (the
-            # conversion is exact), so a greedy step never makes the [B, vocab] float32 copy.
-            logits = self.model.compute_logits(hidden, as_float=False)
+                # The argmax of the half-precision logits is that of their float32 copy (the
+                # conversion is exact), so a greedy step never makes the [B, vocab] float32 copy.
+                logits = self.model.compute_logits(hidden, as_float=False)
             return logits, logits.argmax(dim=-1)
 
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.

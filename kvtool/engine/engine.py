@@ -169,6 +169,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 self.model, self.kv_pages, self.device, worker_half, max_model_len=self.max_model_len,
                 use_cuda_graphs=not params.enforce_eager, backend=params.attention_backend,
+                batch_invariant=params.batch_invariant,
             )
         else:
             self.runner = self.tp_executor

@@ -10,8 +10,8 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
   per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels), and k, v
   into the KV pages at the step's slots as well (the separate store kernel is skipped);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
-* every projection through `row_invariant_gemm.linear` (cuBLAS, or inside prefill steps a
-  kernel whose rows do not depend on the step's row count).
+* every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or inside
+  prefill steps and batch-invariant decode a kernel whose rows do not depend on the row count).
 
 On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one all-reduce
 (`RowParallelLinear.reduce` after the bias-free GEMM); the embedding is the module's own.
@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.attention import attend, current_metadata
-from kvtool.engine.models.layers import DecoderLayer, DecoderModel, GatedMLP, RMSNorm
+from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.parallel import RowParallelLinear
 from kvtool.engine.row_invariant_gemm import linear
@@ -312,7 +312,9 @@ def apply_fused_ops(model: nn.Module) -> int:
     """Route the model's norms, attention blocks and MLPs to the fused kernels. Returns how many modules."""
     n = 0
     for module in model.modules():
-        if isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
+        if isinstance(module, CausalLM):
+            module.logits_linear = linear
+        elif isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
             module.forward = types.MethodType(_fused_decoder_forward, module)
         elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rms_forward, module)

@@ -33,7 +33,7 @@ from kvtool.engine.attention import (
     attention_context,
     select_backend,
 )
-from kvtool.engine.attention.context import longest_first
+from kvtool.engine.attention.context import longest_first, tile_bases
 from kvtool.engine.connectors.base import WorkerHalf
 from kvtool.engine.kv_pages import KVPages
 from kvtool.engine.messages import (
@@ -142,6 +142,11 @@ class ModelRunner:
     On the CUDA backend it also routes the model's norms, attention projections and MLPs to
     fused kernels (`use_fused_ops`) and replays decode steps from CUDA graphs
     (`use_cuda_graphs`); both are on by default and exist as switches for tests and benchmarks.
+
+    `batch_invariant` (CUDA): every step, decode ones too, runs its projections and logits through
+    the row-invariant GEMMs and its decode attention over fixed tiles (`attention.triton_tiles`),
+    so a request's tokens and logprobs do not depend on what it is batched with. The CPU path
+    is batch-invariant either way.
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class ModelRunner:
         use_fused_ops: bool = True,
         max_model_len: int | None = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -172,6 +178,7 @@ class ModelRunner:
         self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
         self.max_model_len = max_model_len
+        self.batch_invariant = batch_invariant
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
 
@@ -194,7 +201,8 @@ class ModelRunner:
         if use_cuda_graphs:
             from kvtool.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for)
+            self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for,
+                                       self.batch_invariant)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's message to the runner's own batch state."""
@@ -323,7 +331,7 @@ class ModelRunner:
         rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
         dst, src = self._placeholder_rows(decode)
         graphs = self.graphs
-        if not prefill and hooks is None and graphs is not None and graphs.fits(len(decode), int(rows[:, 3].max())):
+        if not prefill and hooks is None and graphs is not None and graphs.fits(rows[:, 3]):
             self._order_page_writes(rows[:, 2] // self.block_size)
             patch = (lambda ids: self._patch_from_previous(ids, dst, src)) if dst else None
             logits, greedy = graphs.run(rows, patch)
@@ -335,7 +343,7 @@ class ModelRunner:
 
         step = pack_step(
             decode, rows, prefill, [self._block_table(s) for s in prefill], self.block_size, self.device,
-            self.num_splits_for(len(decode), self.max_context),
+            self.num_splits_for(len(decode), self.max_context), self.batch_invariant,
         )
         if dst:
             self._patch_from_previous(step.input_ids, dst, src)
@@ -344,14 +352,17 @@ class ModelRunner:
             device_batch=step.batch,
         )
         self._order_page_writes(step.written_blocks)
-        with attention_context(meta), self._row_invariant(bool(prefill)):
+        invariant = self.batch_invariant
+        with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
             hidden = self.model(step.input_ids, step.positions)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
             return None
         if len(sampled) != hidden.shape[0]:
             hidden = hidden.index_select(0, step.sample_rows)
-        return self._sample(sampled, self.model.compute_logits(hidden))
+        with self._row_invariant(invariant):
+            logits = self.model.compute_logits(hidden)
+        return self._sample(sampled, logits)
 
     def _is_prompt_row(self, s: ScheduledRequest) -> bool:
         """Whether the step's tokens for `s` start inside its prompt."""
@@ -450,13 +461,15 @@ def pack_step(
     block_size: int,
     device: torch.device,
     num_splits: int,
+    tiles: bool = False,
 ) -> PackedStep:
     """Pack the decode sequences' rows (from `decode_rows`) and the prefill sequences into one int32 host array,
     copy it to the device once, and return views of it.
 
     Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
     cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows |
-    decode launch order [B].
+    decode launch order [B] | first tile slot of each decode row [B] (only with `tiles`: the
+    batch-invariant decode kernel's).
     """
     bs = block_size
     nd, width = rows.shape[0], rows.shape[1] - 4
@@ -479,12 +492,14 @@ def pack_step(
             sample_rows.append(nd + cu_q[-1] - 1)
     t_total = nd + cu_q[-1]
     order = longest_first(rows[:, 3])
-    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows, order]
+    bases, num_tiles = tile_bases(rows[:, 3]) if tiles else (np.zeros(0, dtype=np.int32), 0)
+    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows, order,
+             bases]
     host = np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in parts])
     dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
     sizes = [t_total, t_total, t_total, nd, nd * width, len(cu_q), len(cu_k),
-             cu_k[-1] if has_prefix else 0, len(sample_rows), nd]
-    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order = _split(dev, sizes)
+             cu_k[-1] if has_prefix else 0, len(sample_rows), nd, len(bases)]
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order, d_bases = _split(dev, sizes)
     pre = None
     if prefill:
         pre = PrefillBatch(
@@ -503,6 +518,8 @@ def pack_step(
         num_splits=num_splits,
         prefill=pre,
         decode_order=d_order,
+        tile_base=d_bases if tiles else None,
+        num_tiles=num_tiles,
     )
     written = np.concatenate(slots) // bs
     return PackedStep(d_ids, d_pos, batch, d_sample, written)

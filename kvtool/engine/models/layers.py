@@ -177,6 +177,8 @@ class CausalLM(nn.Module):
     """
 
     attention_cls: type[nn.Module]
+    # The LM head's product; the CUDA fused ops put the row-invariant `linear` here.
+    logits_linear = staticmethod(F.linear)
 
     def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()
@@ -196,7 +198,7 @@ class CausalLM(nn.Module):
         """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
         decode graph takes its argmax from those and converts only when a sampler needs it)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]]
+        logits = self.logits_linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]]
         if self.tp.size > 1:
             logits = gather_vocab(logits, self.config.vocab_size, self.tp)
         return logits.float() if as_float else logits
