@@ -322,18 +322,20 @@ def section_decode():
 
     for preset, goal in (("qwen3-8b", 6.0), ("qwen3-0.6b", 2.0)):
         sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-        for graphs, async_scheduling in ((True, True), (True, False), (False, True)):
+        for graphs, async_scheduling, invariant in ((True, True, False), (True, True, True), (True, False, False),
+                                                    (False, True, False)):
             engine = make_engine(preset, num_gpu_blocks=600, max_model_len=8192, enforce_eager=not graphs,
-                                 async_scheduling=async_scheduling)
+                                 async_scheduling=async_scheduling, batch_invariant=invariant)
             engine.generate([tokens(256, 1)], sp)
             tpots = []
             for rep in range(3):
                 r = engine.generate([tokens(2048, rep + 2)], sp)[0]
                 tpots.append(r.stats.decode_s / (len(r.output_token_ids) - 1) * 1e3)
             floor = {"qwen3-8b": 15.14e9, "qwen3-0.6b": 1.19e9}[preset] / (HBM_TBS * 1e12) * 1e3
-            record("decode", f"{preset} TPOT batch 1 (2k context), graphs={graphs}, async={async_scheduling}",
+            record("decode", f"{preset} TPOT batch 1 (2k context), graphs={graphs}, async={async_scheduling}, "
+                   f"batch_invariant={invariant}",
                    statistics.median(tpots), "ms", floor, goal_ms=goal, runs_ms=[round(t, 3) for t in tpots])
-            if graphs and async_scheduling:
+            if graphs and async_scheduling and not invariant:
                 import torch
 
                 g = engine.runner.graphs.graphs[1]
@@ -362,9 +364,10 @@ def section_throughput():
     outs = [rng.randint(100, 1024) for _ in range(n)]
     prompts = [[rng.randrange(1000, 150000) for _ in range(k)] for k in ins]
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
-    for async_scheduling in (True, False):
+    for async_scheduling, invariant in ((True, False), (True, True), (False, False)):
         engine = make_engine("qwen3-0.6b", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
-                             enable_prefix_caching=False, async_scheduling=async_scheduling)
+                             enable_prefix_caching=False, async_scheduling=async_scheduling,
+                             batch_invariant=invariant)
         engine.generate(prompts[:], [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs])
         sync()
         walls = []
@@ -374,7 +377,8 @@ def section_throughput():
             walls.append(time.perf_counter() - t0)
         wall = min(walls)
         total_out = sum(len(r.output_token_ids) for r in results)
-        record("throughput", f"Qwen3-0.6B offline throughput, {n} seqs in/out U[100,1024], async={async_scheduling}",
+        record("throughput", f"Qwen3-0.6B offline throughput, {n} seqs in/out U[100,1024], async={async_scheduling}, "
+               f"batch_invariant={invariant}",
                total_out / wall, "tok/s", None, goal=25000, output_tokens=total_out, input_tokens=sum(ins),
                wall_s=round(wall, 3), walls_s=[round(w, 3) for w in walls],
                graphs_captured=sorted(engine.runner.graphs.graphs))
