@@ -10,9 +10,10 @@ then depend on three things only, which this module fixes:
   padded with zeros past the context and masked past p. The kernel then splits them into the
   same blocks and runs the softmax and P @ V reductions over the same lengths, whatever the
   context length of the step, the chunk the row is in, or the size of a prefix hit.
-* **the tile of rows BLAS sees**: BLAS computes 1 to 3 columns with other kernels than 4 or
-  more, so every call gets a row count that is a multiple of ROW_MULTIPLE (padded with zero
-  rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then multiples of it too.
+* **the tile of rows BLAS sees**: BLAS computes few rows with other kernels than many (1 to 3
+  on AVX2 machines; 1 to 15 on AVX-512 and AMX ones, whose small-row kernels round
+  differently), so every call gets a row count that is a multiple of ROW_MULTIPLE (padded with
+  zero rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then multiples of it too.
 * **the batch**: each (batch, head, row tile) item is computed alone, one thread each, so a
   sequence's rows come out the same whatever else is in the call.
 
@@ -36,7 +37,7 @@ KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
 # Key-length steps below KEY_BLOCK and from there (multiples of every CPU vector width). Finer
 # steps waste fewer masked keys; coarser ones put more decode sequences into one call.
 SHORT_STEP, LONG_STEP = 64, 256
-ROW_MULTIPLE = 4  # BLAS row (column) counts below 4 take other code paths
+ROW_MULTIPLE = 16  # BLAS row (column) counts below 16 can take other code paths
 _PLAN_KEY = "cpu_flash_plan"
 
 

@@ -5,9 +5,9 @@ Every operation follows transformers' reference order (float32 norm statistics, 
 then cast, `x * cos + rotate_half(x) * sin`) so float32 logits match it to rounding.
 
 On CPU a forward and the logits run on a multiple of ROW_MULTIPLE rows (zero-id padding rows,
-dropped from the result): BLAS computes 1 to 3 rows, and with threads 5 to 7 or 9 to 11, with other
-kernels than the same rows inside a larger batch, so without it a request's bits would depend on
-how many requests it is batched with.
+dropped from the result): BLAS computes few rows (1 to 3, with threads 5 to 7 or 9 to 11 on AVX2;
+1 to 15 on AVX-512 and AMX machines) with other kernels than the same rows inside a larger batch,
+so without it a request's bits would depend on how many requests it is batched with.
 """
 
 from __future__ import annotations
