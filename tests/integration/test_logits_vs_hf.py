@@ -21,7 +21,9 @@ from kvtool.engine.presets import write_random_model_dir
 
 NUM_PROMPT_TOKENS = 64
 NUM_DECODE_STEPS = 32
-ATOL = 1e-4
+# float32 logits; transformers multiplies other shapes, whose BLAS kernels round differently by
+# machine (up to about 1e-4 on the embedded model on AVX-512 and AMX CPUs).
+ATOL = 2e-4
 
 
 class PagedSequence:
