@@ -42,7 +42,7 @@ def engine_for(model, **kw):
     from kvtool.engine.params import EngineParams
 
     params = {"model": str(model), "device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "seed": 5,
-              "num_gpu_blocks": 4000, "max_model_len": 4096}
+              "num_gpu_blocks": 4000, "max_model_len": 4096, "batch_invariant": True}
     params.update(kw)
     return LLMEngine(EngineParams(**params))
 
