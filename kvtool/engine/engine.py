@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -183,12 +181,6 @@ class LLMEngine:
         if p.num_gpu_blocks is not None:
             return p.num_gpu_blocks
         if self.device.type == "cuda":
-            if free_total is None:
-                # Memory the caching allocator holds but no tensor uses (an engine closed before
-                # this one, in this process) is free for the KV pages; without this, a second
-                # engine got a fraction of the blocks the first one had.
-                gc.collect()
-                torch.cuda.empty_cache()
             free, total = free_total if free_total is not None else torch.cuda.mem_get_info(self.device)
             budget = free - (1.0 - p.gpu_memory_utilization) * total
             n = int(budget // geometry.bytes_per_block)
