@@ -354,7 +354,10 @@ def section_decode():
 
 
 def section_throughput():
+    import gc
     import random
+
+    import torch
 
     from kvtool.engine.params import SamplingParams
 
@@ -383,6 +386,10 @@ def section_throughput():
                wall_s=round(wall, 3), walls_s=[round(w, 3) for w in walls],
                graphs_captured=sorted(engine.runner.graphs.graphs))
         engine.close()
+        # The next arm's engine sizes its KV pages from free memory: drop this one's first.
+        del engine, results
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # ---- lm:// --------------------------------------------------------------------------------------
