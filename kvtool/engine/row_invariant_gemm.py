@@ -79,9 +79,32 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
     tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def config_for(rows: int) -> tuple[int, int, int, int, int]:
-    """The tile configuration `triton_mm` uses for `rows` rows."""
-    return next((cfg for limit, cfg in CONFIGS if rows <= limit), CONFIGS[-1][1])
+def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
+    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs).
+
+    A narrow output (a decode step's o and down projections: 1024 columns) leaves most SMs idle
+    under the row count's tiles, so the tiles narrow (columns down to 32, then rows down to 64)
+    until every SM has a program or none can narrow further. The bits stay the same."""
+    bm, bn, bk, warps, stages = next((cfg for limit, cfg in CONFIGS if rows <= limit), CONFIGS[-1][1])
+    if n is not None:
+        while triton.cdiv(rows, bm) * triton.cdiv(n, bn) < num_sms:
+            if bn > 32:
+                bn //= 2
+            elif bm > 64:
+                bm, warps = bm // 2, 4
+            else:
+                break
+    return bm, bn, bk, warps, stages
+
+
+_num_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms:
+        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms[index]
 
 
 def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -95,7 +118,7 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, bk, warps, stages = config or config_for(m)
+    bm, bn, bk, warps, stages = config or config_for(m, n, _sm_count(a.device))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
                        BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)

@@ -35,9 +35,12 @@ def _operands(n, k, rows, seed=0):
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
-    from kvtool.engine.row_invariant_gemm import CONFIGS, triton_mm
+    from kvtool.engine.row_invariant_gemm import CONFIGS, config_for, triton_mm
 
-    configs = [cfg for _, cfg in CONFIGS]
+    configs = {cfg for _, cfg in CONFIGS}
+    # and the narrowed tiles of decode-sized steps
+    configs |= {config_for(rows, n, 132) for rows in (1, 16, 64, 160, 256, 512) for n, _ in SHAPES[model]}
+    assert any(cfg[1] == 32 and cfg[0] >= 64 for cfg in configs)
     for n, k in SHAPES[model]:
         a, w = _operands(n, k, 1100)
         whole = triton_mm(a, w)
