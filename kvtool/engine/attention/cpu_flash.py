@@ -12,8 +12,11 @@ then depend on three things only, which this module fixes:
   context length of the step, the chunk the row is in, or the size of a prefix hit.
 * **the tile of rows BLAS sees**: BLAS computes few rows with other kernels than many (1 to 3
   on AVX2 machines; 1 to 15 on AVX-512 and AMX ones, whose small-row kernels round
-  differently), so every call gets a row count that is a multiple of ROW_MULTIPLE (padded with
-  zero rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then multiples of it too.
+  differently), so every prefill call gets a row count that is a multiple of ROW_MULTIPLE
+  (padded with zero rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then
+  multiples of it too. Inside this kernel only one row rounds otherwise (measured on AVX-512 and
+  AMX: 2 to 16 rows give the bits of a 64-row tile), so a decode call, whose rows are query
+  heads, is padded to a multiple of DECODE_ROW_MULTIPLE only.
 * **the batch**: each (batch, head, row tile) item is computed alone, one thread each, so a
   sequence's rows come out the same whatever else is in the call.
 
@@ -38,6 +41,11 @@ KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
 # steps waste fewer masked keys; coarser ones put more decode sequences into one call.
 SHORT_STEP, LONG_STEP = 64, 256
 ROW_MULTIPLE = 16  # BLAS row (column) counts below 16 can take other code paths
+# A decode call's rows are one KV head's query heads. Inside the flash kernel a row's bits
+# depend on its tile only below 2 rows here (GEMV); AVX2 BLAS differs up to 3 rows in the
+# model's GEMMs, so a decode group is padded to a multiple of 4 (not of ROW_MULTIPLE: the
+# flash kernel's exponentials run on every padded row, and decode is most of a long run).
+DECODE_ROW_MULTIPLE = 4
 _PLAN_KEY = "cpu_flash_plan"
 
 
@@ -143,7 +151,7 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
             past_context=past,
             mask=_causal_mask(ctx - 1, n_keys, dtype)[:, None, None, :],
             num_keys=n_keys,
-            queries=torch.zeros((b, hkv, _round_up(group, ROW_MULTIPLE), d), dtype=dtype, device=dev),
+            queries=torch.zeros((b, hkv, _round_up(group, DECODE_ROW_MULTIPLE), d), dtype=dtype, device=dev),
             keys=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
             values=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
         ))
