@@ -96,3 +96,16 @@ def test_decode_rows_of_one_query_head_equal_prefill_rows():
     _step(pages, [(seq, 0, 500)])
     for p in range(500, 520):
         assert torch.equal(_step(pages, [(seq, p, p + 1)])[0], whole[p : p + 1]), p
+
+
+def test_tile_masks_are_kept_bounded_and_right():
+    from kvtool.engine.attention import cpu_flash
+
+    dev = torch.device("cpu")
+    first = cpu_flash._tile_mask(512, 700, 192, 768, torch.float32, dev)
+    assert cpu_flash._tile_mask(512, 700, 192, 768, torch.float32, dev) is first
+    pos = torch.arange(512, 704).clamp_(max=699)
+    assert torch.equal(first, cpu_flash._causal_mask(pos, 768, torch.float32)[None, None])
+    for lo in range(0, 64 * (cpu_flash._MASK_CACHE_ENTRIES + 5), 64):
+        cpu_flash._tile_mask(lo, lo + 64, 64, lo + 64, torch.float32, dev)
+    assert len(cpu_flash._tile_masks) <= cpu_flash._MASK_CACHE_ENTRIES

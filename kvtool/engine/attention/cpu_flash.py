@@ -104,6 +104,28 @@ def _causal_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> 
     return torch.where(keys[None, :] <= positions[:, None], zero, ninf)
 
 
+# A prefill tile's mask depends on (first position, rows, padded rows, keys) only, and prompts
+# keep meeting the same tiles: masks up to _MASK_CACHE_ELEMENTS are kept (read-only), at most
+# _MASK_CACHE_ENTRIES of them (about 64 MiB of float32 at most).
+_MASK_CACHE_ELEMENTS, _MASK_CACHE_ENTRIES = 256 * 1024, 64
+_tile_masks: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_mask(lo: int, hi: int, num_padded: int, num_keys: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """[1, 1, num_padded, num_keys] mask of the rows at positions [lo, hi) (padding rows repeat
+    the last) over num_keys keys."""
+    key = (lo, hi, num_padded, num_keys, dtype, dev)
+    mask = _tile_masks.get(key)
+    if mask is None:
+        pos = torch.arange(lo, lo + num_padded, device=dev).clamp_(max=hi - 1)
+        mask = _causal_mask(pos, num_keys, dtype)[None, None]
+        if num_padded * num_keys <= _MASK_CACHE_ELEMENTS:
+            if len(_tile_masks) >= _MASK_CACHE_ENTRIES:
+                _tile_masks.pop(next(iter(_tile_masks)))
+            _tile_masks[key] = mask
+    return mask
+
+
 def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
     g = meta.kv_pages.geometry
     bs = g.block_size
@@ -123,8 +145,7 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
         while lo < s.ctx_len:
             hi = min(key_length(lo), s.ctx_len)
             n, n_pad = hi - lo, _round_up(hi - lo, ROW_MULTIPLE)
-            pos = torch.arange(lo, lo + n_pad, device=dev).clamp_(max=hi - 1)  # pad rows repeat the last
-            tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _causal_mask(pos, key_length(lo), dtype)[None, None]))
+            tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _tile_mask(lo, hi, n_pad, key_length(lo), dtype, dev)))
             lo = hi
         prefix = s.block_ids[: -(-start // bs)] if start else None
         # Whole pages fit (a block may be longer than KEY_BLOCK); flash reads num_keys of them.
