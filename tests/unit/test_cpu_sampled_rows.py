@@ -1,6 +1,6 @@
-"""On CPU the model can compute its last layer's MLP and final norm for the sampled rows only
-(`forward(ids, positions, rows)`): those rows must equal, bit for bit, the same rows of the full
-forward, and the KV pages it leaves must equal the full forward's."""
+"""On CPU the model can compute its last layer's attention, output projection, MLP and final
+norm for the sampled rows only (`forward(ids, positions, rows)`): those rows must equal, bit for
+bit, the same rows of the full forward, and the KV pages it leaves must equal the full forward's."""
 
 from __future__ import annotations
 

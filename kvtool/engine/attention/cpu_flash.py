@@ -82,6 +82,7 @@ class _Prefill:
 @dataclass(slots=True)
 class _DecodeGroup:
     rows: torch.Tensor  # [B] long: rows of q
+    out_rows: torch.Tensor  # [B] long: rows of the result (`rows`, or 0..B-1 for `cpu_flash_rows`)
     block_table: torch.Tensor  # [B * L / block_size] long, 0 past each sequence's blocks
     past_context: torch.Tensor  # flat slots (of [B * L]) at or past each context: zeroed after the gather
     mask: torch.Tensor  # [B, 1, 1, L]
@@ -156,7 +157,16 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
             values=torch.zeros((length, hkv, d), dtype=dtype, device=dev),
             tiles=tiles,
         ))
+    return _Plan(prefills, _decode_groups(by_length, g, dev, dtype, group))
+
+
+def _decode_groups(by_length: dict[int, list[SeqSpan]], g, dev: torch.device, dtype: torch.dtype,
+                   group: int, out_rows: list[int] | None = None) -> list[_DecodeGroup]:
+    """One group per key length of one-row spans (their row: q_start; their position:
+    ctx_len - 1); `out_rows` (by span, in by_length's order) places the results elsewhere."""
+    bs, hkv, d = g.block_size, g.num_kv_heads, g.head_dim
     decodes = []
+    at = 0
     for n_keys, seqs in sorted(by_length.items()):
         width = -(-n_keys // bs)
         table = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
@@ -166,8 +176,10 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
         slots = torch.arange(width * bs, device=dev)
         past = (slots[None, :] >= ctx[:, None]).view(-1).nonzero().view(-1)
         b = len(seqs)
+        rows = torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=dev)
         decodes.append(_DecodeGroup(
-            rows=torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=dev),
+            rows=rows,
+            out_rows=rows if out_rows is None else torch.tensor(out_rows[at : at + b], dtype=torch.long, device=dev),
             block_table=table.view(-1),
             past_context=past,
             mask=_causal_mask(ctx - 1, n_keys, dtype)[:, None, None, :],
@@ -176,7 +188,8 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
             keys=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
             values=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
         ))
-    return _Plan(prefills, decodes)
+        at += b
+    return decodes
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -224,7 +237,16 @@ def cpu_flash_attention(
             v4 = values[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
             o = _flash(q4, k4, v4, tile.mask, scale)  # [G, Hkv, R, D]
             out[lo : lo + tile.num_rows] = o[:, :, : tile.num_rows].permute(2, 1, 0, 3).reshape(tile.num_rows, hq, d)
-    for g in plan.decodes:
+    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale)
+    return out
+
+
+def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: torch.Tensor, q: torch.Tensor,
+                 out: torch.Tensor, scale: float) -> None:
+    hkv, d = k_pages.shape[2], k_pages.shape[3]
+    hq = q.shape[1]
+    group = hq // hkv
+    for g in groups:
         b, n_keys = g.keys.shape[0], g.num_keys
         shape = (g.block_table.numel(), k_pages.shape[1], hkv, d)
         torch.index_select(k_pages, 0, g.block_table, out=g.keys.view(shape))
@@ -235,5 +257,26 @@ def cpu_flash_attention(
         g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
         k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
         o = _flash(g.queries, k4, v4, g.mask, scale)  # [B, Hkv, Gp, D]
-        out.index_copy_(0, g.rows, o[:, :, :group].reshape(b, hq, d))
+        out.index_copy_(0, g.out_rows, o[:, :, :group].reshape(b, hq, d))
+
+
+def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the query rows `rows` ([S] long, rows of q [T, Hq, D]) only, each as a decode
+    row at its position (the bits it has in any prefill tile, `_plan`'s invariant). The step's
+    K/V must already be in the pages. Returns [S rounded up to ROW_MULTIPLE, Hq, D], zero past S."""
+    g = meta.kv_pages.geometry
+    by_length: dict[int, list[SeqSpan]] = {}
+    order: dict[int, list[int]] = {}
+    for i, r in enumerate(rows.tolist()):
+        s = next(s for s in meta.seqs if s.q_start <= r < s.q_start + s.q_len)
+        ctx = s.ctx_len - s.q_len + (r - s.q_start) + 1
+        n_keys = key_length(ctx - 1)
+        by_length.setdefault(n_keys, []).append(
+            SeqSpan(q_start=r, q_len=1, ctx_len=ctx, block_ids=s.block_ids[: -(-ctx // g.block_size)]))
+        order.setdefault(n_keys, []).append(i)
+    out_rows = [i for n in sorted(order) for i in order[n]]
+    groups = _decode_groups(by_length, g, q.device, q.dtype, q.shape[1] // g.num_kv_heads, out_rows)
+    pages = meta.kv_pages.tensor
+    out = q.new_zeros((_round_up(rows.numel(), ROW_MULTIPLE), *q.shape[1:]))
+    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale)
     return out

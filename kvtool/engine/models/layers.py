@@ -182,7 +182,8 @@ class CausalLM(nn.Module):
     """A decoder-only language model over the paged KV cache. Subclasses name their attention class.
 
     Interface the runner relies on: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`
-    (packed tokens of every scheduled sequence, attention metadata from the step's context) and
+    (packed tokens of every scheduled sequence, attention metadata from the step's context; on
+    CPU with `rows`, the sampled rows' hidden states only) and
     `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
 
     With `tp` of size > 1 it is rank tp.rank's Megatron shard (see `parallel`): every rank
