@@ -9,6 +9,9 @@ imports); the runner then builds the step's metadata for that backend, and
 `attend` follows the metadata: a `device_batch` means the CUDA kernels; none means torch's
 flash kernel on CPU (`cpu_flash`), or the reference (gather + SDPA per sequence) elsewhere.
 
+On CPU the last layer calls `attend_rows` with the step's sampled rows: it stores every new
+token's k/v and attends for those rows alone (the rest of the layer only needs theirs).
+
 On CPU the model may pad the step to a multiple of ROW_MULTIPLE rows (BLAS computes fewer rows
 with other kernels, see `cpu_flash`); rows past the step's tokens are never stored and attend to
 nothing.
