@@ -309,15 +309,19 @@ class ModelRunner:
             hooks=self.hooks,
         )
         self._order_page_writes(np.asarray(slot_blocks, dtype=np.int64))
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        # On CPU the model computes the last layer's MLP for the sampled rows only (its rows'
+        # bits do not depend on the rows computed with them); elsewhere every row, as before.
+        on_cpu = dev.type == "cpu"
         with attention_context(meta):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
+                rows if on_cpu else None,
             )
         if not sample_rows:
             return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden if on_cpu else hidden.index_select(0, rows))
         return self._sample([s for s in so.scheduled if s.sample], logits)
 
     # ---- CUDA backend ------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ def _pages(num_blocks: int) -> KVPages:
 class Sequence:
     """One sequence's q/k/v for every position, and its blocks (in reverse order) in shared pages."""
 
-    def __init__(self, length: int, first_block: int, seed: int) -> None:
+    def __init__(self, length: int, first_block: int, seed: int, group: int = GROUP) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.q = torch.randn(length, HKV * GROUP, D, generator=g)
+        self.q = torch.randn(length, HKV * group, D, generator=g)
         self.k = torch.randn(length, HKV, D, generator=g)
         self.v = torch.randn(length, HKV, D, generator=g)
         n = math.ceil(length / BS)
@@ -84,3 +84,28 @@ def test_matches_causal_sdpa():
 
 def test_key_lengths_depend_on_the_position_only():
     assert [key_length(p) for p in (0, 63, 64, 511, 512, 767, 768)] == [64, 64, 128, 512, 768, 768, 1024]
+
+
+def test_decode_rows_of_one_query_head_equal_prefill_rows():
+    """A decode call's rows are one KV head's query heads, padded to DECODE_ROW_MULTIPLE: with
+    one query head per KV head a single row would take BLAS's one-row path and round otherwise."""
+    length = 600
+    seq = Sequence(length, 0, seed=7, group=1)
+    whole = _step(_pages(100), [(seq, 0, length)])[0]
+    pages = _pages(100)
+    _step(pages, [(seq, 0, 500)])
+    for p in range(500, 520):
+        assert torch.equal(_step(pages, [(seq, p, p + 1)])[0], whole[p : p + 1]), p
+
+
+def test_tile_masks_are_kept_bounded_and_right():
+    from kvtool.engine.attention import cpu_flash
+
+    dev = torch.device("cpu")
+    first = cpu_flash._tile_mask(512, 700, 192, 768, torch.float32, dev)
+    assert cpu_flash._tile_mask(512, 700, 192, 768, torch.float32, dev) is first
+    pos = torch.arange(512, 704).clamp_(max=699)
+    assert torch.equal(first, cpu_flash._causal_mask(pos, 768, torch.float32)[None, None])
+    for lo in range(0, 64 * (cpu_flash._MASK_CACHE_ENTRIES + 5), 64):
+        cpu_flash._tile_mask(lo, lo + 64, 64, lo + 64, torch.float32, dev)
+    assert len(cpu_flash._tile_masks) <= cpu_flash._MASK_CACHE_ENTRIES

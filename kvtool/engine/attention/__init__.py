@@ -9,6 +9,9 @@ imports); the runner then builds the step's metadata for that backend, and
 `attend` follows the metadata: a `device_batch` means the CUDA kernels; none means torch's
 flash kernel on CPU (`cpu_flash`), or the reference (gather + SDPA per sequence) elsewhere.
 
+On CPU the last layer calls `attend_rows` with the step's sampled rows: it stores every new
+token's k/v and attends for those rows alone (the rest of the layer only needs theirs).
+
 On CPU the model may pad the step to a multiple of ROW_MULTIPLE rows (BLAS computes fewer rows
 with other kernels, see `cpu_flash`); rows past the step's tokens are never stored and attend to
 nothing.
@@ -28,7 +31,7 @@ from kvtool.engine.attention.context import (
     attention_context,
     current_metadata,
 )
-from kvtool.engine.attention.cpu_flash import ROW_MULTIPLE, cpu_flash_attention
+from kvtool.engine.attention.cpu_flash import ROW_MULTIPLE, cpu_flash_attention, cpu_flash_rows
 from kvtool.engine.attention.reference import paged_attention_reference
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "SeqSpan",
     "attention_context",
     "attend",
+    "attend_rows",
     "current_metadata",
     "select_backend",
 ]
@@ -86,3 +90,18 @@ def attend(
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], -1)
+
+
+def attend_rows(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor) -> torch.Tensor:
+    """`attend` with only the query rows `rows` ([S] long) wanted, on CPU (float32 pages): stores
+    every new token's k/v, attends for `rows` alone. Returns [S rounded up to ROW_MULTIPLE, Hq * D],
+    zero past S."""
+    meta = current_metadata()
+    if meta.hooks is not None:
+        meta.hooks.before_layer(layer)
+    n = meta.slot_block_ids.numel()
+    meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
+    out = cpu_flash_rows(meta, layer, q, rows, scale)
+    if meta.hooks is not None:
+        meta.hooks.after_layer(layer)
+    return out.reshape(out.shape[0], q.shape[1] * q.shape[2])

@@ -1,5 +1,5 @@
-"""Fused forwards for a model on CPU: one GEMM for q/k/v and one for gate/up, torch's fused
-RMSNorm, and one rotation for q and k together.
+"""Fused forwards for a model on CPU: one GEMM for q/k/v and one for gate/up, an RMSNorm of two
+passes (one 2-norm reduction, one scaling), and one norm and one rotation for q and k together.
 
 `build_model` applies them to a model built on CPU. Every parameter keeps its name and shape
 (the fused weights are concatenations, and each projection's parameter is re-pointed at its
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtool.engine.attention import attend
-from kvtool.engine.models.layers import GatedMLP, RMSNorm
+from kvtool.engine.attention import attend, attend_rows
+from kvtool.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, pad_rows_on_cpu
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.qwen3 import Qwen3Attention
 
@@ -36,8 +36,15 @@ def _concat(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
     return whole
 
 
+def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, as a new tensor: one reduction pass (the
+    2-norm) and one scaling pass (torch's rms_norm takes about twice as long on CPU)."""
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.mul(x, r.square_().div_(x.shape[-1]).add_(eps).rsqrt_())
+
+
 def _rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    return _rms_scaled(x, self.eps).mul_(self.weight)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,24 +58,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(rotated, x, cos[:, None, :])
 
 
-def _attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _qkv(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotated q [T, Hq, D], rotated k and v [T, Hkv, D] of x [T, hidden]."""
     t, d = x.shape[0], self.head_dim
     hq, hkv = self.num_heads, self.num_kv_heads
     qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
     v = qkv[:, hq + hkv :]
-    if isinstance(self, Qwen3Attention):
-        q = _rotate(self.q_norm(qkv[:, :hq]), cos, sin)
-        k = _rotate(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)
-    else:
-        qk = _rotate(qkv[:, : hq + hkv], cos, sin)
-        q, k = qk[:, :hq], qk[:, hq:]
+    qk = qkv[:, : hq + hkv]
+    if isinstance(self, Qwen3Attention):  # per-head norms of q and k (one eps: the model's)
+        qk = _rms_scaled(qk, self.q_norm.eps)
+        qk[:, :hq].mul_(self.q_norm.weight)
+        qk[:, hq:].mul_(self.k_norm.weight)
+    qk = _rotate(qk, cos, sin)
+    return qk[:, :hq], qk[:, hq:], v
+
+
+def _attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    q, k, v = _qkv(self, x, cos, sin)
     return self.o_proj(attend(self.layer_idx, q, k, v, self.scale))
+
+
+def _layer_forward_rows(self: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        rows: torch.Tensor) -> torch.Tensor:
+    """DecoderLayer.forward_rows with attention and its output projection for `rows` only too
+    (every row's K/V is still stored)."""
+    attn = self.self_attn
+    q, k, v = _qkv(attn, self.input_layernorm(h), cos, sin)
+    a = attn.o_proj(attend_rows(attn.layer_idx, q, k, v, attn.scale, rows))
+    h = pad_rows_on_cpu(h.index_select(0, rows))
+    h = h + a[: h.shape[0]]
+    return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def _mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     gate_up = F.linear(x, self.gate_up_weight)
     n = gate_up.shape[1] // 2
-    gate = F.silu(gate_up[:, :n])
+    gate = F.silu(gate_up[:, :n], inplace=True)  # in place: no [T, n] allocation per layer
     return self.down_proj(gate.mul_(gate_up[:, n:]))
 
 
@@ -80,7 +105,9 @@ def apply_cpu_fusion(model: nn.Module) -> None:
         elif isinstance(module, GatedMLP):
             module.gate_up_weight = _concat([module.gate_proj, module.up_proj], "weight")
             module.forward = types.MethodType(_mlp_forward, module)
-        elif isinstance(module, LlamaAttention):
+        elif isinstance(module, DecoderLayer) and isinstance(module.self_attn, LlamaAttention):
+            module.forward_rows = types.MethodType(_layer_forward_rows, module)
+        if isinstance(module, LlamaAttention):
             projections = [module.q_proj, module.k_proj, module.v_proj]
             module.qkv_weight = _concat(projections, "weight")
             module.qkv_bias = _concat(projections, "bias")

@@ -138,6 +138,14 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`forward` with only `rows` of the result wanted: attention runs on every row (it stores
+        their K/V), the residual and the MLP on `rows` only (padded on CPU). [T, hidden] ->
+        [len(rows) rounded up to ROW_MULTIPLE on CPU, hidden]; rows past len(rows) are padding."""
+        a = self.self_attn(self.input_layernorm(h), cos, sin)
+        h = pad_rows_on_cpu(h.index_select(0, rows) + a.index_select(0, rows))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
@@ -154,14 +162,19 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden]."""
-        n = input_ids.shape[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden], or with `rows`
+        ([S] long) those rows only, [S, hidden]: the last layer's MLP and the final norm then run
+        on S rows instead of T (a prefill samples one row of its prompt)."""
+        n = input_ids.shape[0] if rows is None else rows.shape[0]
         input_ids, positions = pad_rows_on_cpu(input_ids), pad_rows_on_cpu(positions)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
-        for layer in self.layers:
+        layers = self.layers if rows is None else self.layers[:-1]
+        for layer in layers:
             h = layer(h, cos, sin)
+        if rows is not None:
+            h = self.layers[-1].forward_rows(h, cos, sin, rows)
         return self.norm(h)[:n]
 
 
@@ -169,7 +182,8 @@ class CausalLM(nn.Module):
     """A decoder-only language model over the paged KV cache. Subclasses name their attention class.
 
     Interface the runner relies on: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`
-    (packed tokens of every scheduled sequence, attention metadata from the step's context) and
+    (packed tokens of every scheduled sequence, attention metadata from the step's context; on
+    CPU with `rows`, the sampled rows' hidden states only) and
     `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
 
     With `tp` of size > 1 it is rank tp.rank's Megatron shard (see `parallel`): every rank
@@ -190,9 +204,9 @@ class CausalLM(nn.Module):
         vocab_rows = split_range(config.vocab_size, tp.size, tp.rank)[1]
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T], [T] -> [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T], [T] -> [T, hidden]; with `rows` [S], only those rows: [S, hidden] (DecoderModel)."""
+        return self.model(input_ids, positions, rows)
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
