@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
 import torch
 
 from kvtool import __version__
@@ -398,12 +399,14 @@ class LLMEngine:
         return [self.pop_result(i) for i in ids]
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        s.num_free_blocks = self.scheduler.pool.num_free_blocks
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.cpu_tier = self.scheduler_connector.cpu_tier_usage() if self.scheduler_connector is not None else None
-        return s
+        """The totals and gauges as of now: a copy, so two calls can be subtracted."""
+        return msgspec.structs.replace(
+            self.scheduler.stats,
+            num_free_blocks=self.scheduler.pool.num_free_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            cpu_tier=self.scheduler_connector.cpu_tier_usage() if self.scheduler_connector is not None else None,
+        )
 
     def flush_connector(self) -> None:
         """Wait until the connector's background stores (disk writes, remote PUTs) have landed,

@@ -111,3 +111,15 @@ def test_bad_requests_are_refused(make_engine):
         tiny.add_request(list(range(3, 60)), GREEDY)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         make_engine(max_model_len=10**7)
+
+
+def test_stats_are_a_snapshot(make_engine):
+    """Two `stats()` calls around work can be subtracted: the first keeps its values."""
+    engine = make_engine()
+    before = engine.stats()
+    engine.generate(prompts(2, seed=7), GREEDY)
+    after = engine.stats()
+    assert after is not before
+    assert (before.num_requests, before.num_generation_tokens) == (0, 0)
+    assert (after.num_requests, after.num_generation_tokens) == (2, 24)
+    assert after.num_free_blocks == after.num_blocks and after.num_running == after.num_waiting == 0
