@@ -310,8 +310,9 @@ class ModelRunner:
         )
         self._order_page_writes(np.asarray(slot_blocks, dtype=np.int64))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        # On CPU the model computes the last layer's MLP for the sampled rows only (its rows'
-        # bits do not depend on the rows computed with them); elsewhere every row, as before.
+        # On CPU the model computes the last layer (past storing every row's K/V) and the final
+        # norm for the sampled rows only: a row's bits there do not depend on the rows computed
+        # with it. Elsewhere every row.
         on_cpu = dev.type == "cpu"
         with attention_context(meta):
             hidden = self.model(
