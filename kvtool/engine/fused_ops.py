@@ -271,9 +271,12 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
     return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
 
 
-def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder loop with each residual add fused into the RMSNorm that follows it (the
-    layers' own norms and the final one): two kernels fewer per layer, the same rounding."""
+    layers' own norms and the final one): two kernels fewer per layer, the same rounding.
+    Every row is computed: `rows` (DecoderModel's sampled-rows path) is for the CPU only."""
+    assert rows is None, "the fused CUDA decoder computes every row"
     h = self.embed_tokens(input_ids)
     cos, sin = self.rotary_emb(positions, h.dtype)
     layers = self.layers

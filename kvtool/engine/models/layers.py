@@ -205,10 +205,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[T], [T] -> [T, hidden]; with `rows` [S], only those rows: [S, hidden] (DecoderModel;
-        the CUDA decoder loop of `fused_ops` takes no rows, and none are passed to it)."""
-        if rows is None:
-            return self.model(input_ids, positions)
+        """[T], [T] -> [T, hidden]; with `rows` [S], only those rows: [S, hidden] (DecoderModel)."""
         return self.model(input_ids, positions, rows)
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
