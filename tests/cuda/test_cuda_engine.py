@@ -1,6 +1,7 @@
 """The engine on CUDA: graph decode against eager decode, the fast path against the reference
-backend, and the CPU tier's asynchronous copies (whole-block and layerwise loads, stores that
-run beside the next step, disk write-through). Skipped without CUDA.
+backend, and the CPU tier's asynchronous copies (whole-block loads, layerwise loads as pitched
+copies on the copy engine, stores that run beside the next step, disk write-through). Skipped
+without CUDA.
 """
 
 import json
@@ -97,8 +98,9 @@ def test_fast_path_logprobs_close_to_reference(cuda_engine):
 
 def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(cuda_engine):
     """A local prefix-cache hit and a CPU-tier hit give the same step shapes and the same KV bytes:
-    the outputs must be identical, with loads and saves whole-block and layerwise; layerwise
-    saves fill the tier with the same bytes as whole-block ones."""
+    the outputs must be identical, with loads and saves whole-block and layerwise (loads as
+    pitched copies on the copy engine); layerwise saves fill the tier with the same bytes as
+    whole-block ones."""
     p = prompt(600)
     local = cuda_engine()
     local.generate([p], GREEDY)
@@ -115,6 +117,9 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
         layer_calls = []
         store_layer = transfers.store_layer
         transfers.store_layer = lambda *a: layer_calls.append(a[-1]) or store_layer(*a)
+        pitched_loads = []
+        load_layers = transfers._load_layers
+        transfers._load_layers = lambda pairs: pitched_loads.append(len(pairs)) or load_layers(pairs)
         cold = engine.generate([p], GREEDY)[0]
         assert cold.stats.num_external_stored_tokens == 592
         # 37 blocks: a layerwise save (at least LAYERWISE_MIN_BLOCKS), one copy per layer
@@ -124,6 +129,8 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
         hit = engine.generate([p], GREEDY)[0]
         assert hit.stats.num_external_loaded_tokens == 592
         results.append(hit.output_token_ids)
+        # 37 blocks loaded: layer by layer through the copy engine with `layerwise`
+        assert pitched_loads == ([37] if layerwise else [])
         if layerwise:
             assert transfers.can_copy_layerwise()
     assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
@@ -193,6 +200,51 @@ def test_slot_transfers_load_and_store(scattered):
             assert torch.equal(flat[slot_block], flat[src])
     finally:
         tr.STAGING_BYTES = old
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_layerwise_loads_through_the_copy_engine(scattered):
+    """Layerwise loads as pitched copies (one per layer and run, straight into the pages or staged
+    and scattered): every byte in place, one event per layer, and layer l's pieces in place once
+    its event has completed, whatever later layers are doing."""
+    from kvtool.engine.connectors.offloading import transfers as tr
+    from kvtool.engine.kv_pages import KVGeometry, KVPages
+
+    geo = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    pages = KVPages(geo, 300, torch.device("cuda"))
+    pool = torch.randn((40, 4, 2, 3, 16, 2, 64)).to(torch.bfloat16).pin_memory()
+    flat = pool.view(-1, *pool.shape[2:])
+    t = tr.SlotTransfers(pool, pages)
+    assert t.can_copy_rows()
+    old = tr.STAGING_BYTES
+    tr.STAGING_BYTES = 5 * geo.bytes_per_block  # several chunks per layer, both buffers reused
+    try:
+        dst = torch.randperm(300)[:64].tolist() if scattered else list(range(100, 164))
+        # three runs of consecutive sources: several copies per fill or per layer
+        pairs = list(zip([*range(8, 30), *range(50, 60), *range(100, 132)], dst))
+        t.load(pairs, layerwise=True)
+        assert len(t.layer_events) == geo.num_layers
+        t.layer_events[0].synchronize()
+        for src, d in pairs:
+            assert torch.equal(pages.tensor[d, :, 0].cpu(), flat[src, :, 0])
+        t.finish_loads()
+        for src, d in pairs:
+            assert torch.equal(pages.tensor[d].cpu(), flat[src])
+        assert bool(t.staging) == scattered
+    finally:
+        tr.STAGING_BYTES = old
+
+
+def test_pitched_copy_moves_strided_rows():
+    from kvtool.engine.connectors.offloading import pitched_copy
+
+    host = torch.arange(7 * 300, dtype=torch.int16).view(7, 300).pin_memory()
+    out = torch.zeros((7, 100), dtype=torch.int16, device="cuda")
+    stream = torch.cuda.current_stream()
+    # rows 1..6, 100 int16 from column 50 each, 600 bytes apart in the host, 200 on the device
+    pitched_copy.copy_rows_h2d(out[1].data_ptr(), 200, host[1, 50:].data_ptr(), 600, 200, 6, stream.cuda_stream)
+    stream.synchronize()
+    assert torch.equal(out[1:].cpu(), host[1:, 50:150]) and not out[0].any()
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -1,6 +1,6 @@
 """How the CPU tier's copies are planned (pure functions; run on every machine)."""
 
-from kvtool.engine.connectors.offloading.transfers import coalesce, source_chunks
+from kvtool.engine.connectors.offloading.transfers import coalesce, source_chunks, staging_fills
 
 
 def test_coalesce_merges_runs_consecutive_on_both_sides():
@@ -13,3 +13,22 @@ def test_source_chunks_follow_consecutive_sources_up_to_a_size():
     pairs = [(0, 7), (1, 2), (2, 40), (3, 1), (9, 5), (10, 6)]
     assert source_chunks(pairs, max_blocks=3) == [(0, 0, 3), (3, 3, 1), (4, 9, 2)]
     assert source_chunks(pairs, max_blocks=100) == [(0, 0, 4), (4, 9, 2)]
+
+
+def test_staging_fills_pack_source_runs_up_to_the_capacity():
+    pairs = [(0, 7), (1, 2), (2, 40), (3, 1), (9, 5), (10, 6), (30, 8)]
+    # runs 0-3, 9-10, 30; fills of 3: [0,1,2] [3 | 9,10] [30]
+    assert staging_fills(pairs, 3) == [
+        (0, 3, [(0, 0, 3)]), (3, 3, [(3, 0, 1), (9, 1, 2)]), (6, 1, [(30, 0, 1)]),
+    ]
+    assert staging_fills(pairs, 100) == [(0, 7, [(0, 0, 4), (9, 4, 2), (30, 6, 1)])]
+    # every pair once, in order, each fill within the capacity
+    for cap in (1, 2, 4, 5):
+        fills = staging_fills(pairs, cap)
+        assert [p for at, n, _ in fills for p in pairs[at : at + n]] == pairs
+        assert all(n <= cap and sum(c for _, _, c in pieces) == n for _, n, pieces in fills)
+        for at, n, pieces in fills:
+            srcs = [s + i for s, _, c in pieces for i in range(c)]
+            assert srcs == [src for src, _ in pairs[at : at + n]]
+            assert [k for _, k, _ in pieces] == [sum(c for _, _, c in pieces[:j]) for j in range(len(pieces))]
+    assert staging_fills([], 4) == []

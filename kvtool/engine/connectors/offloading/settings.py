@@ -48,8 +48,9 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     offload_block_tokens: int | None = None  # a multiple of the engine block size
     offload_prompt_only: bool = True
     group_idx: int = 0
-    # kvtool's key: on CUDA, load and save layer by layer during the forward when the device can
-    # address the pinned pool (a step's save goes layer by layer from LAYERWISE_MIN_BLOCKS blocks).
+    # kvtool's key: on CUDA, load and save layer by layer during the forward. Loads go through
+    # pitched copies on the copy engine, or the layer kernel where the driver has none and the
+    # device can address the pinned pool; saves through the kernel, from LAYERWISE_MIN_BLOCKS blocks.
     layerwise: bool = False
     spec_name: str = "CPUOffloadingSpec"
 

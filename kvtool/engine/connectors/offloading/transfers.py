@@ -21,10 +21,15 @@ Ordering (one compute stream, one load stream with its copy stream, one store st
   (`order_page_writes`), and so do host readers of a slot (the disk writer).
 
 Layerwise loads and saves need one layer's slice of many blocks, pieces of bs*H*D elements
-strided by L: a copy-engine transfer per piece would be launch-bound, so a Triton kernel reads
-or writes them straight in the pinned pool (mapped into the device's address space), one launch
-per layer. A layerwise save of layer l waits for the compute stream right after layer l wrote
-its K/V, so the copies run beside the layers that follow instead of after the step.
+strided by L. Loads take them through the copy engine as pitched copies (`pitched_copy`: one
+transfer per layer and run of consecutive pool blocks, the pieces its rows), staged and scattered
+like whole blocks when the destinations are scattered; the forward's layer l waits for layer l
+alone, so its kernels run while later layers are still on the way. Where the driver's pitched
+copy is not available, and for layerwise saves, a Triton kernel reads or writes the pieces
+straight in the pinned pool (mapped into the device's address space), one launch per layer; it
+runs on the SMs, beside the forward. A layerwise save of layer l waits for the compute stream
+right after layer l wrote its K/V, so the copies run beside the layers that follow instead of
+after the step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtool.engine.connectors.offloading import pitched_copy
 from kvtool.engine.kv_pages import KVPages
 
 STAGING_BYTES = 64 << 20  # one of two device staging buffers for loads into scattered blocks
@@ -50,6 +56,23 @@ def source_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[tuple[i
                 continue
         chunks.append((i, src, 1))
     return chunks
+
+
+def staging_fills(pairs: list[tuple[int, int]], capacity: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """(first pair index, count, pieces) fills of at most `capacity` consecutive pairs, each piece
+    (first source block, offset in the fill, count) a run of consecutive sources: a staging buffer
+    takes one fill as a copy per piece and is scattered once, however the sources are spread."""
+    fills: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    for at, src, n in source_chunks(pairs, capacity):
+        while n:
+            if not fills or fills[-1][1] == capacity:
+                fills.append((at, 0, []))
+            first, k, pieces = fills[-1]
+            take = min(n, capacity - k)
+            pieces.append((src, k, take))
+            fills[-1] = (first, k + take, pieces)
+            at, src, n = at + take, src + take, n - take
+    return fills
 
 
 def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -100,6 +123,11 @@ class SlotTransfers:
         self.last_store: torch.cuda.Event | None = None
         self._layer_store_start: torch.cuda.Event | None = None
         self._layer_copy = None
+        self._rows_ok: bool | None = None  # pitched copies work (checked once)
+        # Index tensors go to the device through one pinned buffer, grown as needed (pinning a
+        # fresh one per load costs milliseconds on the load's critical path).
+        self._index_host: torch.Tensor | None = None
+        self._index_sent: torch.cuda.Event | None = None
 
     # ---- loads ---------------------------------------------------------------------------------
 
@@ -114,10 +142,31 @@ class SlotTransfers:
                 self._layer_copy = False
         return bool(self._layer_copy)
 
+    def can_copy_rows(self) -> bool:
+        """Whether layerwise loads can go through the copy engine as pitched copies (checked
+        once: one layer of one pool block copied into a scratch buffer and compared)."""
+        if self._rows_ok is None:
+            self._rows_ok = False
+            if pitched_copy.available() and self.pool.is_pinned() and self.pool.is_contiguous():
+                pages = self.pages.tensor
+                scratch = torch.empty((2, *pages.shape[3:]), dtype=pages.dtype, device=pages.device)
+                piece = scratch[0].numel() * scratch.element_size()
+                try:
+                    stream = torch.cuda.current_stream(pages.device)
+                    pitched_copy.copy_rows_h2d(scratch.data_ptr(), piece, self.pool.data_ptr(),
+                                               self.num_layers * piece, piece, 2, stream.cuda_stream)
+                    stream.synchronize()
+                except pitched_copy.PitchedCopyError:
+                    return False
+                expected = self.pool[0, :, 0].contiguous().view(torch.uint8)
+                self._rows_ok = torch.equal(scratch.cpu().view(torch.uint8), expected)
+        return self._rows_ok
+
     def load(self, pairs: list[tuple[int, int]], layerwise: bool) -> None:
         """Queue copies of pool blocks into page blocks, (flat pool block, page block) each.
 
-        The compute stream waits for them before the forward, or per layer (`wait_layer`).
+        The compute stream waits for them before the forward, or per layer (`wait_layer`):
+        through the copy engine when `can_copy_rows`, else through the layer kernel.
         """
         compute = torch.cuda.current_stream(self.pages.device)
         ls = self.load_stream
@@ -131,13 +180,13 @@ class SlotTransfers:
         pages = self.pages.tensor
         with torch.cuda.stream(ls):
             self.load_start.record(ls)
-            if layerwise:
-                index = torch.tensor(pairs, dtype=torch.int64).pin_memory().to(pages.device, non_blocking=True)
+            if layerwise and self.can_copy_rows():
+                self._load_layers(pairs)
+            elif layerwise:
+                index = self._device_index(np.asarray(pairs, dtype=np.int64))
                 for layer in range(self.num_layers):
                     self._layer_copy(self.pool, pages, index, layer)
-                    ev = torch.cuda.Event()
-                    ev.record(ls)
-                    self.layer_events.append(ev)
+                    self._record_layer(ls)
             else:
                 runs = coalesce(pairs)
                 chunks = source_chunks(pairs, self._staging_blocks())
@@ -150,8 +199,90 @@ class SlotTransfers:
         if not layerwise:
             compute.wait_event(self.load_end)
 
+    def _device_index(self, values: np.ndarray) -> torch.Tensor:
+        """`values` (int64) on the device, copied on the current stream through the pinned buffer
+        once the previous copy out of it is done."""
+        n = values.size
+        if self._index_sent is not None:
+            self._index_sent.synchronize()
+        if self._index_host is None or self._index_host.numel() < n:
+            self._index_host = torch.empty(max(n, 2 * (0 if self._index_host is None else self._index_host.numel()), 4096),
+                                           dtype=torch.int64).pin_memory()
+        host = self._index_host[:n]
+        host.numpy()[:] = values.reshape(-1)
+        index = host.to(self.pages.device, non_blocking=True).view(values.shape)
+        self._index_sent = torch.cuda.Event()
+        self._index_sent.record()
+        return index
+
     def _staging_blocks(self) -> int:
         return max(1, STAGING_BYTES // self.block_bytes)
+
+    def _staging_buffers(self) -> list[torch.Tensor]:
+        if not self.staging:
+            pages = self.pages.tensor
+            shape = (self._staging_blocks(), *pages.shape[1:])
+            self.staging = [torch.empty(shape, dtype=pages.dtype, device=pages.device) for _ in range(2)]
+        return self.staging
+
+    def _load_layers(self, pairs: list[tuple[int, int]]) -> None:
+        """Layer by layer through the copy engine: for each layer, one pitched copy per run of
+        consecutive pool blocks (its rows are the blocks' K and V pieces of that layer), straight
+        into the pages when the destinations are consecutive too, else into the two staging
+        buffers in turn (`staging_fills`: a copy per run in the fill) and scattered into the
+        layer's slice of the pages on the load stream, once per fill. Layer l's event is
+        recorded once its pieces are in place."""
+        ls, cs = self.load_stream, self.copy_stream
+        pages = self.pages.tensor
+        num_layers = self.num_layers
+        piece_shape = pages.shape[3:]  # (bs, H, D)
+        piece = pages[0, 0, 0].numel() * pages.element_size()
+        pitch = num_layers * piece
+        pool_at, pages_at = self.pool.data_ptr(), pages.data_ptr()
+
+        def row0(base: int, block: int, layer: int) -> int:  # address of (block, K, layer)
+            return base + (block * 2 * num_layers + layer) * piece
+
+        runs = coalesce(pairs)
+        # A staging buffer holds that many whole blocks, so that many times L blocks' pieces of one layer.
+        chunks = source_chunks(pairs, self._staging_blocks() * num_layers)
+        if len(chunks) * 4 > len(runs):
+            for layer in range(num_layers):
+                for src, dst, n in runs:
+                    pitched_copy.copy_rows_h2d(row0(pages_at, dst, layer), pitch, row0(pool_at, src, layer), pitch,
+                                               piece, 2 * n, ls.cuda_stream)
+                self._record_layer(ls)
+            return
+        bufs = [b.view(-1) for b in self._staging_buffers()]
+        dst = self._device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
+        cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
+        elems = pages[0, 0, 0].numel()
+        fills = staging_fills(pairs, self._staging_blocks() * num_layers)
+        scattered: list[torch.cuda.Event] = []
+        for layer in range(num_layers):
+            layer_pages = pages[:, :, layer]  # [num_blocks, 2, bs, H, D], strided
+            for at, n, pieces in fills:
+                i = len(scattered)
+                buf = bufs[i % 2][: 2 * n * elems].view(n, 2, *piece_shape)
+                if i >= 2:
+                    cs.wait_event(scattered[i - 2])
+                base = buf.data_ptr()
+                for src, k, count in pieces:
+                    pitched_copy.copy_rows_h2d(base + 2 * k * piece, piece, row0(pool_at, src, layer), pitch, piece,
+                                               2 * count, cs.cuda_stream)
+                copied = torch.cuda.Event()
+                copied.record(cs)
+                ls.wait_event(copied)
+                layer_pages.index_copy_(0, dst[at : at + n], buf)
+                ev = torch.cuda.Event()
+                ev.record(ls)
+                scattered.append(ev)
+            self._record_layer(ls)
+
+    def _record_layer(self, ls: torch.cuda.Stream) -> None:
+        ev = torch.cuda.Event()
+        ev.record(ls)
+        self.layer_events.append(ev)
 
     def _load_staged(self, pairs: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> None:
         """Pages whose destination blocks are scattered: large copies of consecutive pool blocks
@@ -159,10 +290,8 @@ class SlotTransfers:
         the next copy runs (a copy per 2 MB block would run at the copy engine's per-piece cost)."""
         ls, cs = self.load_stream, self.copy_stream
         pages = self.pages.tensor
-        if not self.staging:
-            shape = (self._staging_blocks(), *pages.shape[1:])
-            self.staging = [torch.empty(shape, dtype=pages.dtype, device=pages.device) for _ in range(2)]
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64).pin_memory().to(pages.device, non_blocking=True)
+        self._staging_buffers()
+        dst = self._device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
         cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
         scattered: list[torch.cuda.Event] = []
         for i, (at, src, n) in enumerate(chunks):

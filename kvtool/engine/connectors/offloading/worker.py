@@ -7,9 +7,11 @@ its own state from that.
 
 On CPU pages every copy is synchronous. On CUDA pages (a pinned pool) the copies are queued on
 their own streams by `SlotTransfers`: loads before the forward and stores after it, running
-beside the next step, whole blocks through the copy engine; or, when `layerwise` is set and the
-device can address the pool, both layer by layer during the forward (a store of layer l starts
-when layer l has written its K/V). The disk writer waits for its slot's store.
+beside the next step, whole blocks through the copy engine; or, when `layerwise` is set, both
+layer by layer during the forward: loads as pitched copies on the copy engine (or the layer
+kernel where the driver has none), stores through the layer kernel where the device can address
+the pool (a store of layer l starts when layer l has written its K/V). The disk writer waits for
+its slot's store.
 
 Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
 `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
@@ -36,7 +38,7 @@ from kvtool.engine.kv_pages import refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.offloading")
 
-# A step's stores go layer by layer (with `layerwise`) from this many engine blocks up; smaller
+# With `layerwise`, a step's stores go layer by layer from this many engine blocks up; smaller
 # ones are not worth two kernel launches per layer and an eager forward.
 LAYERWISE_MIN_BLOCKS = 32
 
@@ -167,8 +169,11 @@ class OffloadingWorker(WorkerHalf):
         self._layerwise_step = False
         self._plan_layer_saves()
         if pairs:
-            layerwise = self.layerwise and self.transfers.can_copy_layerwise()
-            self.transfers.load(pairs, layerwise)
+            # Layer by layer through pitched copies on the copy engine, or through the layer kernel
+            # where the driver has no pitched copy; whole blocks otherwise.
+            t = self.transfers
+            layerwise = self.layerwise and (t.can_copy_rows() or t.can_copy_layerwise())
+            t.load(pairs, layerwise)
             self._layerwise_step = layerwise
 
     def wait_for_layer_load(self, layer: int) -> None:
