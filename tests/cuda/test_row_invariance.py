@@ -143,6 +143,37 @@ def test_prefill_kernel_against_sdpa_and_its_own_tails(hq, hkv, d):
         assert torch.equal(tail, whole[-rows:]), rows
 
 
+def test_prefill_kernel_reads_the_same_bits_through_tma_and_pointers(monkeypatch):
+    """On Hopper the kernel loads its tiles through TMA descriptors, whose tiles run past a
+    sequence's keys into the next one's; its rows must be the pointer loads' bits."""
+    from kvtool.engine.attention import triton_prefill as tp
+
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("TMA descriptors need compute capability 9.0")
+    hq, hkv, d = 32, 8, 128
+    q_lens, k_lens = (300, 1, 129, 77), (700, 513, 129, 1000)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    # q as a slice of one fused projection, as the model hands it over
+    qkv = torch.randn((sum(q_lens), hq + 2 * hkv, d), generator=g, device=DEV).to(torch.bfloat16)
+    q = qkv[:, :hq]
+    k, v = (torch.randn((sum(k_lens), hkv, d), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
+    assert all(tp._rows_view(x) is not None for x in (q, k, v))
+    index = torch.cuda.current_device()
+    outs = {}
+    for tma in (True, False):
+        monkeypatch.setitem(tp._tma_devices, index, tma)
+        outs[tma] = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5)
+    assert torch.equal(outs[True], outs[False])
+    # A full hit's one computed row, over its sequence's keys alone, either way.
+    last = slice(sum(k_lens[:-1]), sum(k_lens))
+    cu_one, cu_keys = (torch.tensor([0, n], dtype=torch.int32, device=DEV) for n in (1, k_lens[-1]))
+    for tma in (True, False):
+        monkeypatch.setitem(tp._tma_devices, index, tma)
+        row = tp.prefill_attention(q[-1:], k[last], v[last], cu_one, cu_keys, 1, d**-0.5)
+        assert torch.equal(row, outs[True][-1:]), tma
+
+
 def _offload(**extra):
     from kvtool.engine.connectors.config import parse_kv_transfer_config
 

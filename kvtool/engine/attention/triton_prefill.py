@@ -14,6 +14,13 @@ per call do not. On an H200 it runs causal Qwen3-8B heads at 469 TFLOP/s for 8k 
 
 Sequences are packed varlen style: q [T, Hq, D] with cu_q, keys [sum ctx, Hkv, D] with cu_k;
 a sequence's query rows are the last q_len positions of its ctx_len keys (bottom-right causal).
+
+On Hopper and later the tiles come in through TMA tensor descriptors (the copy engine of each SM
+moves them into shared memory while the warps compute); elsewhere through pointer loads. Both
+give the same bits. A descriptor's tile may run past a sequence's keys into the next one's (or
+into zeros past the tensor): those keys are past every row's position, so they are masked to
+exact zeros as any key past a row is. With descriptors the one row of a full hit over 32k keys
+takes 0.30 ms instead of 0.58 on an H200 (the whole causal prefill about the same).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def key_tile(head_dim: int) -> int:
@@ -31,14 +39,17 @@ def key_tile(head_dim: int) -> int:
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt, stride_vt, d, lo, hi,
-                  MASKED: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr):
-    """Fold the key tiles starting at lo, lo + BLOCK_N, .. below hi into the online softmax."""
+def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt, stride_vt, d, col, lo, hi,
+                  MASKED: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """Fold the key tiles starting at lo, lo + BLOCK_N, .. below hi into the online softmax.
+    k_src/v_src: tensor descriptors of [keys, Hkv * D] (TMA), or the head's base pointers."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        keys = (k_first + n).to(tl.int64)
-        n_ok = n < k_len
-        k = tl.load(k_base + keys[None, :] * stride_kt + d[:, None], mask=n_ok[None, :], other=0.0)
+        if TMA:
+            k = tl.trans(k_src.load([k_first + start, col]))
+        else:
+            keys = (k_first + n).to(tl.int64)
+            k = tl.load(k_src + keys[None, :] * stride_kt + d[:, None], mask=n[None, :] < k_len, other=0.0)
         s = tl.dot(q, k)
         if MASKED:
             s = tl.where(pos[:, None] >= n[None, :], s, float("-inf"))
@@ -49,7 +60,10 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_
         p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + keys[:, None] * stride_vt + d[None, :], mask=n_ok[:, None], other=0.0)
+        if TMA:
+            v = v_src.load([k_first + start, col])
+        else:
+            v = tl.load(v_src + keys[:, None] * stride_vt + d[None, :], mask=n[:, None] < k_len, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, m_i, l_i
@@ -57,9 +71,9 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
+    q_src, k_src, v_src, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     h = tl.program_id(0)
     seq = tl.program_id(2)
@@ -75,10 +89,16 @@ def _prefill_kernel(
         pos = k_len - q_len + rows  # absolute position of each query row
         d = tl.arange(0, D)
         q_rows = (q_first + rows).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None],
-                    other=0.0)
-        k_base = k_ptr + (h // GROUP) * stride_kh
-        v_base = v_ptr + (h // GROUP) * stride_vh
+        col = (h // GROUP) * D
+        if TMA:
+            q = q_src.load([q_first + m_block * BLOCK_M, h * D])
+            k_base = k_src
+            v_base = v_src
+        else:
+            q = tl.load(q_src + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            k_base = k_src + (h // GROUP) * stride_kh
+            v_base = v_src + (h // GROUP) * stride_vh
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -88,12 +108,32 @@ def _prefill_kernel(
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         last = tl.minimum(first_pos + BLOCK_M, k_len)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt, stride_vt,
-                                      d, 0, full_end, False, qk_scale, BLOCK_N)
+                                      d, col, 0, full_end, False, qk_scale, BLOCK_N, TMA)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt, stride_vt,
-                                      d, full_end, last, True, qk_scale, BLOCK_N)
+                                      d, col, full_end, last, True, qk_scale, BLOCK_N, TMA)
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H, D] (heads adjacent) as [T, H * D] sharing its memory, or None when a TMA descriptor
+    cannot describe it (heads not adjacent, or an address or row stride off 16 bytes)."""
+    t, h, d = x.shape
+    size = x.element_size()
+    if x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * size) % 16 or x.data_ptr() % 16:
+        return None
+    return x.as_strided((t, h * d), (x.stride(0), 1))
+
+
+_tma_devices: dict[int, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _tma_devices:
+        _tma_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _tma_devices[index]
 
 
 def prefill_attention(
@@ -111,10 +151,16 @@ def prefill_attention(
     block_n = key_tile(d)
     block_m = 128 if max_q > 64 and block_n == 128 else 64
     grid = (hq, triton.cdiv(max_q, block_m), cu_q.shape[0] - 1)
+    srcs = (q, k, v)
+    views = [_rows_view(x) for x in srcs] if _has_tma(q.device) else [None]
+    tma = all(x is not None for x in views)
+    if tma:
+        srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
+                     for x, rows in zip(views, (block_m, block_n, block_n)))
     _prefill_kernel[grid](
-        q, k, v, out, cu_q, cu_k, scale * math.log2(math.e),
+        *srcs, out, cu_q, cu_k, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if block_m == 128 else 4,
+        GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=8 if block_m == 128 else 4,
         num_stages=3 if block_n == 128 else 2,
     )
     return out
