@@ -82,9 +82,12 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
 def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
     """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs).
 
-    A narrow output (a decode step's o and down projections: 1024 columns) leaves most SMs idle
-    under the row count's tiles, so the tiles narrow (columns down to 32, then rows down to 64)
-    until every SM has a program or none can narrow further. The bits stay the same."""
+    Decode-sized steps (up to DECODE_ROWS rows) take the tiles of `decode_tiles`. Above that a
+    narrow output leaves most SMs idle under the row count's tiles, so the tiles narrow (columns
+    down to 32, then rows down to 64) until every SM has a program or none can narrow further.
+    The bits are the same whichever tiles run."""
+    if n is not None and rows <= DECODE_ROWS:
+        return decode_tiles(rows, n, num_sms)
     bm, bn, bk, warps, stages = next((cfg for limit, cfg in CONFIGS if rows <= limit), CONFIGS[-1][1])
     if n is not None:
         while triton.cdiv(rows, bm) * triton.cdiv(n, bn) < num_sms:
@@ -95,6 +98,28 @@ def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, 
             else:
                 break
     return bm, bn, bk, warps, stages
+
+
+# Steps of up to this many rows (batch-invariant decode) take `decode_tiles`.
+DECODE_ROWS = 256
+# An output this wide (an LM head) has programs enough for any tile shape.
+WIDE_OUTPUT = 32768
+
+
+def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """Tiles for a decode-sized product, from a sweep of the presets' decode shapes on an H200
+    (Qwen3-0.6B at 16-256 rows: 1.1-1.3x faster per projection than the row-count tiles)."""
+    if n >= WIDE_OUTPUT:
+        if rows <= 32:
+            return (16 if rows <= 16 else 32), 64, 128, 4, 3
+        return (64, 128, 64, 8, 3) if rows <= 64 else (128, 128, 64, 8, 3)
+    if rows <= 64 and n <= 2048:
+        return 16, 32, 256, 4, 3  # a narrow output: 16-row tiles and long K steps give every SM work
+    bm = 16 if rows <= 16 else 64
+    bk = 64 if rows > 128 and n > 4096 else 128
+    # 64 columns per program where that still leaves programs for about 0.7 of the SMs.
+    bn = 64 if triton.cdiv(rows, bm) * triton.cdiv(n, 64) * 10 >= 7 * num_sms else 32
+    return bm, bn, bk, 4, 3
 
 
 _num_sms: dict[int, int] = {}

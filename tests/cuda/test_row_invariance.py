@@ -39,7 +39,8 @@ def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
 
     configs = {cfg for _, cfg in CONFIGS}
     # and the narrowed tiles of decode-sized steps
-    configs |= {config_for(rows, n, 132) for rows in (1, 16, 64, 160, 256, 512) for n, _ in SHAPES[model]}
+    rows_seen = (1, 16, 32, 64, 128, 160, 192, 256, 512)
+    configs |= {config_for(rows, n, 132) for rows in rows_seen for n, _ in SHAPES[model] + [(151936, 1024)]}
     assert any(cfg[1] == 32 and cfg[0] >= 64 for cfg in configs)
     for n, k in SHAPES[model]:
         a, w = _operands(n, k, 1100)
