@@ -8,6 +8,8 @@ one of these ways, per command:
     trickle         HEALTH, EXIST and GET replies go out one byte every `--trickle-s` seconds
     trickle-exist   HEALTH answers at once; EXIST replies trickle (a lookup that never ends)
     trickle-get     HEALTH and EXIST (always "present") answer at once; GET replies trickle
+    trickle-payload as trickle-get, but GET answers a 2 MiB chunk: its header and half its
+                    payload at once, the rest trickled
     silent          reads every request, never answers anything
     silent-get      HEALTH and EXIST (always "present") answer at once; GET is never answered
     lie             HEALTH and EXIST (always "present") answer at once; GET answers "missing"
@@ -31,6 +33,10 @@ NAMES = {1: "PUT", 2: "GET", 3: "EXIST", 4: "LIST", 5: "HEALTH"}
 # A GET hit's header for a tiny chunk; trickled, it never completes anyway.
 GET_HIT = RESPONSE.pack(200, 16, 1, 4, 2, 1, 1, 2, 0)
 OK = RESPONSE.pack(200, 0, 1, 2, 0, 0, 0, 0, 0)
+# A GET hit for a 2 MiB chunk (float32 [2, 1, 1, 262144]): half its payload comes at once, the
+# rest is trickled.
+LARGE = 2 * 1024 * 1024
+GET_LARGE = RESPONSE.pack(200, LARGE, 1, 4, 2, 1, 1, LARGE // 8, 0)
 MISS = RESPONSE.pack(400, 0, 1, 2, 0, 0, 0, 0, 0)
 
 # mode -> command -> (reply, trickled); a command missing from a mode is never answered.
@@ -38,6 +44,7 @@ BEHAVIOUR = {
     "trickle": {"HEALTH": (OK, True), "EXIST": (OK, True), "GET": (GET_HIT, True)},
     "trickle-exist": {"HEALTH": (OK, False), "EXIST": (OK, True), "GET": (MISS, False)},
     "trickle-get": {"HEALTH": (OK, False), "EXIST": (OK, False), "GET": (GET_HIT, True)},
+    "trickle-payload": {"HEALTH": (OK, False), "EXIST": (OK, False), "GET": (GET_LARGE + bytes(LARGE), True)},
     "silent": {},
     "silent-get": {"HEALTH": (OK, False), "EXIST": (OK, False)},
     "lie": {"HEALTH": (OK, False), "EXIST": (OK, False), "GET": (MISS, False)},
@@ -73,7 +80,9 @@ def serve(conn: socket.socket, mode: str, trickle_s: float, log_path: str, log_l
             if not trickled:
                 conn.sendall(reply)
                 continue
-            for i in range(len(reply)):
+            sent = len(reply) // 2 if len(reply) > RESPONSE.size else 0
+            conn.sendall(reply[:sent])
+            for i in range(sent, len(reply)):
                 conn.sendall(reply[i : i + 1])
                 time.sleep(trickle_s)
     except OSError:

@@ -2,7 +2,8 @@
 
 Each operation (EXIST, GET, PUT and its confirming EXIST, HEALTH) has one deadline for the whole
 exchange, connect included: before every send and recv the socket timeout is recomputed from a
-monotonic deadline, so a peer that trickles one byte every few seconds cannot stretch an
+monotonic deadline (with several connections a large payload is read by one blocking recv under
+a kernel receive timeout set the same way), so a peer that trickles one byte every few seconds cannot stretch an
 operation past `timeout_s`. A peer that misses a deadline is unhealthy for `backoff_s`: every
 call in that time fails at once instead of waiting out a timeout of its own, so a silent server
 costs one timeout, not one per chunk. `close()` shuts every socket down first, so no call in
@@ -23,6 +24,8 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -55,6 +58,15 @@ PIPELINE_DEPTH = 256
 # one, and a slow connection holds no more than this many items of a wave.
 GET_WINDOW = 2
 DEFAULT_BACKOFF_S = 10.0
+# With several connections, payloads from this size up are read by one blocking recv(MSG_WAITALL)
+# under a kernel receive timeout set from the deadline (Linux): each thread sleeps in the kernel
+# until its payload is in, instead of a poll, a recv and a GIL hand-off for every segment, so the
+# threads stop contending for the GIL. On a 16-core H200 host, GETs into the pages over four
+# loopback connections ran at 11.9-12.1 GB/s this way against 10.0-10.8 with the loop; over one
+# connection the loop was the faster (3.45-3.70 against 3.21-3.23 GB/s), so one keeps it.
+WAITALL_MIN_BYTES = 1 << 16
+_WAITALL = socket.MSG_WAITALL if sys.platform.startswith("linux") else 0
+_TIMEVAL = struct.Struct("@ll")
 
 T = TypeVar("T")
 ItemT = TypeVar("ItemT")
@@ -73,6 +85,19 @@ def _remaining(deadline: float) -> float:
     return left
 
 
+def _recv_all_before(sock: socket.socket, view: memoryview, n: int, left: float) -> int:
+    """One blocking recv(MSG_WAITALL) of up to n bytes that waits at most `left` seconds in all
+    (SO_RCVTIMEO bounds the whole call); returns the bytes read, fewer when the time ran out."""
+    sock.settimeout(None)
+    sec = int(left)
+    usec = max(1, int((left - sec) * 1e6)) if sec == 0 else int((left - sec) * 1e6)  # 0 would mean forever
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, usec))
+    try:
+        return sock.recv_into(view, n, _WAITALL)
+    except BlockingIOError:  # the receive timeout ran out before a byte came
+        raise DeadlineExceeded("timed out") from None
+
+
 class _Connection:
     """One pool slot: a socket (connected lazily) and a reusable reply buffer.
 
@@ -80,8 +105,9 @@ class _Connection:
     timeout is set to what is left of it before each blocking call.
     """
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, waitall: bool = False):
         self.host, self.port = host, port
+        self.waitall = bool(_WAITALL) and waitall  # large payloads through `_recv_all_before`
         self.sock: socket.socket | None = None
         self.reply_buf = bytearray(RESPONSE.size)
         self.num_requests = 0  # since connect; 0 means a failure cannot be a stale socket
@@ -129,9 +155,14 @@ class _Connection:
         if sock is None:
             raise ConnectionError("not connected")
         got, n = 0, len(view)
+        waitall = self.waitall and n >= WAITALL_MIN_BYTES
         while got < n:
-            sock.settimeout(_remaining(deadline))
-            k = sock.recv_into(view[got:], n - got)
+            left = _remaining(deadline)
+            if waitall:
+                k = _recv_all_before(sock, view[got:], n - got, left)
+            else:
+                sock.settimeout(left)
+                k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise ConnectionError("connection closed by the server")
             got += k
@@ -185,7 +216,7 @@ class LMClient:
         self.backoff_s = backoff_s
         # FIFO: consecutive checkouts rotate through the pool, so stripes land on distinct sockets.
         self._pool: queue.Queue[_Connection] = queue.Queue()
-        self._all = [_Connection(host, port) for _ in range(connections)]
+        self._all = [_Connection(host, port, waitall=connections > 1) for _ in range(connections)]
         for conn in self._all:
             self._pool.put(conn)
         self._executor: ThreadPoolExecutor | None = None
