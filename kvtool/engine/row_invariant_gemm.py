@@ -80,14 +80,18 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
 
 
 def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
-    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs).
-
-    Decode-sized steps (up to DECODE_ROWS rows) take the tiles of `decode_tiles`. Above that a
-    narrow output leaves most SMs idle under the row count's tiles, so the tiles narrow (columns
-    down to 32, then rows down to 64) until every SM has a program or none can narrow further.
-    The bits are the same whichever tiles run."""
+    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs):
+    `decode_tiles` up to DECODE_ROWS rows, `row_count_tiles` above. The bits are the same whichever
+    tiles run."""
     if n is not None and rows <= DECODE_ROWS:
         return decode_tiles(rows, n, num_sms)
+    return row_count_tiles(rows, n, num_sms)
+
+
+def row_count_tiles(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
+    """Tiles by row count (CONFIGS). A narrow output leaves most SMs idle under them, so the tiles
+    narrow (columns down to 32, then rows down to 64) until every SM has a program or none can
+    narrow further."""
     bm, bn, bk, warps, stages = next((cfg for limit, cfg in CONFIGS if rows <= limit), CONFIGS[-1][1])
     if n is not None:
         while triton.cdiv(rows, bm) * triton.cdiv(n, bn) < num_sms:
