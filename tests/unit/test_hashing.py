@@ -46,3 +46,35 @@ def test_salt_changes_every_block(monkeypatch):
     plain = extend_block_hashes([], list(range(64)), 16, nh)
     salted = extend_block_hashes([], list(range(64)), 16, nh, cache_salt="s")
     assert all(a != b for a, b in zip(plain, salted))
+
+
+def _one_link_at_a_time(tokens, block_size, none_hash, salt=None):
+    out = []
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        out.append(hash_block_tokens(out[-1] if out else none_hash, block, block_extra_keys(i, salt)))
+    return out
+
+
+def test_long_prompts_hash_as_one_link_at_a_time():
+    """Many blocks at once take the vectorized encoding: the same bytes as cbor2's, link by link,
+    for ids at every CBOR size boundary, any block size (array heads of 1 and 2 bytes), a salt,
+    a chain extended in parts, and ids cbor2 alone can encode (negative, past 2**32)."""
+    import random
+
+    from kvtool.engine.hashing import BATCH_MIN_BLOCKS
+
+    nh = make_none_hash("x")
+    rng = random.Random(0)
+    edges = [0, 1, 23, 24, 25, 255, 256, 257, 65535, 65536, 65537, 151935, 2**32 - 1]
+    for block_size in (1, 16, 23, 24, 256, 300):
+        tokens = [rng.choice(edges) if rng.random() < 0.3 else rng.randrange(200_000) for _ in range(block_size * 20 + 5)]
+        for salt in (None, "s"):
+            want = _one_link_at_a_time(tokens, block_size, nh, salt)
+            assert len(want) - 3 >= BATCH_MIN_BLOCKS
+            assert extend_block_hashes([], tokens, block_size, nh, salt) == want, (block_size, salt)
+            part = extend_block_hashes([], tokens[: block_size * 3], block_size, nh, salt)
+            assert extend_block_hashes(part, tokens, block_size, nh, salt) == want, (block_size, salt)
+    for odd in (-5, 2**32, 2**70):
+        tokens = [odd] + list(range(16 * 12))
+        assert extend_block_hashes([], tokens, 16, nh) == _one_link_at_a_time(tokens, 16, nh)
