@@ -45,7 +45,7 @@ _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("max_num_batched_tokens", 2048, Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one engine step (chunked prefill).")]),
     ("max_num_seqs", 256, Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]),
     ("enforce_eager", False, Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: run every decode step eagerly.")]),
-    ("batch_invariant", False, Annotated[bool, typer.Option("--batch-invariant/--no-batch-invariant", help="CUDA: a request's output does not depend on what it is batched with, at some throughput (the CPU path always is).")]),
+    ("batch_invariant", True, Annotated[bool, typer.Option("--batch-invariant/--no-batch-invariant", help="CUDA: a request's output does not depend on what it is batched with (default: on; off gains about 9% of decode throughput). The CPU path always is.")]),
     ("tensor_parallel_size", 1, Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="Ranks (worker processes) to split the model across: NCCL on CUDA, one GPU each; gloo on CPU.")]),
     ("async_scheduling", None, Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (default: on for CUDA).")]),
 ]
