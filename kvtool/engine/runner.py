@@ -47,6 +47,8 @@ from kvtool.engine.params import SamplingParams
 from kvtool.engine.sampler import SampleRow, sample_on_device
 
 MAX_GRAPH_BATCH = 512
+# int32 entries per 16 bytes: where each segment of a packed step starts (`pack_step`).
+SEGMENT_ALIGN = 4
 
 
 class _ConnectorLayerHooks:
@@ -495,16 +497,20 @@ def pack_step(
             key_slots.append(t[k // bs] * bs + k % bs)
         if s.sample:
             sample_rows.append(nd + cu_q[-1] - 1)
-    t_total = nd + cu_q[-1]
     order = longest_first(rows[:, 3])
     bases, num_tiles = tile_bases(rows[:, 3]) if tiles else (np.zeros(0, dtype=np.int32), 0)
-    parts = [*ids, *pos, *slots, rows[:, 3], rows[:, 4:].reshape(-1), cu_q, cu_k, *key_slots, sample_rows, order,
-             bases]
-    host = np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in parts])
+    segments = [ids, pos, slots, [rows[:, 3]], [rows[:, 4:]], [cu_q], [cu_k], key_slots, [sample_rows], [order], [bases]]
+    flat = [np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in seg] or [np.zeros(0, np.int32)])
+            for seg in segments]
+    # Every segment starts 16 bytes aligned: Triton specializes kernels on their pointers' alignment,
+    # and unaligned views at offsets that vary with the step would compile new variants mid-request.
+    starts = np.cumsum([0] + [-(-len(f) // SEGMENT_ALIGN) * SEGMENT_ALIGN for f in flat])
+    host = np.zeros(int(starts[-1]), dtype=np.int32)
+    for f, at in zip(flat, starts):
+        host[at : at + len(f)] = f
     dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
-    sizes = [t_total, t_total, t_total, nd, nd * width, len(cu_q), len(cu_k),
-             cu_k[-1] if has_prefix else 0, len(sample_rows), nd, len(bases)]
-    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order, d_bases = _split(dev, sizes)
+    views = [dev[at : at + len(f)] for f, at in zip(flat, starts)]
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order, d_bases = views
     pre = None
     if prefill:
         pre = PrefillBatch(
@@ -528,11 +534,3 @@ def pack_step(
     )
     written = np.concatenate(slots) // bs
     return PackedStep(d_ids, d_pos, batch, d_sample, written)
-
-
-def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(t[at : at + n])
-        at += n
-    return out
