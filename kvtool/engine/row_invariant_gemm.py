@@ -50,7 +50,9 @@ def row_invariant_gemms(on: bool = True) -> Iterator[None]:
         _enabled = before
 
 
-@triton.jit
+# M is not specialized: one compiled kernel per tile configuration serves every row count (one
+# row, a multiple of 16 or any other), so a step of a new row count never compiles mid-request.
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """c = a @ w.T for a [M, K], w [N, K]; grouped tile order so consecutive programs share w tiles."""
@@ -124,6 +126,19 @@ def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, i
     # 64 columns per program where that still leaves programs for about 0.7 of the SMs.
     bn = 64 if triton.cdiv(rows, bm) * triton.cdiv(n, 64) * 10 >= 7 * num_sms else 32
     return bm, bn, bk, 4, 3
+
+
+def warm_up_rows(widths: set[int], num_sms: int) -> list[int]:
+    """Row counts below CUBLAS_MIN_ROWS that between them reach every tile configuration
+    `config_for` picks for outputs of these widths: one product of each compiles them all."""
+    seen: set[tuple[int, int, int, int, int]] = set()
+    rows_needed = []
+    for rows in range(1, CUBLAS_MIN_ROWS):
+        configs = {config_for(rows, n, num_sms) for n in widths}
+        if not configs <= seen:
+            seen |= configs
+            rows_needed.append(rows)
+    return rows_needed
 
 
 _num_sms: dict[int, int] = {}

@@ -205,6 +205,35 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for,
                                        self.batch_invariant)
+        self._warm_up_prefill(num_sms)
+
+    def _warm_up_prefill(self, num_sms: int) -> None:
+        """Run a few prefills once, so that their Triton kernels compile now rather than inside a
+        first request: a full hit's one row and a partial hit's rows over a cached prefix, and one
+        row count for every tile configuration of the row-invariant GEMMs below cuBLAS's rows
+        (`warm_up_rows`), each with its logits. Their K/V land in page blocks no request holds yet."""
+        from kvtool.engine.row_invariant_gemm import warm_up_rows
+
+        bs = self.block_size
+        # The projections' output widths (the LM head sees the sampled rows alone).
+        widths = {p.shape[0] for name, p in self.model.named_parameters()
+                  if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
+        shapes = [(1, bs), (bs + 1, bs)] + [(rows, 0) for rows in warm_up_rows(widths, num_sms)]
+        no_decode = decode_rows([], [], bs)
+        for rows, prefix in shapes:
+            blocks = -(-(prefix + rows) // bs)
+            if blocks > self.kv_pages.num_blocks:
+                continue
+            s = ScheduledRequest(request_id="warm-up", token_ids=[0] * rows, start=prefix, new_block_ids=[], sample=True)
+            step = pack_step([], no_decode, [s], [np.arange(blocks, dtype=np.int32)], bs, self.device,
+                             self.num_splits_for(0, self.max_context), self.batch_invariant)
+            meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                     device_batch=step.batch)
+            with attention_context(meta), self._row_invariant(True):
+                hidden = self.model(step.input_ids, step.positions)
+            with self._row_invariant(self.batch_invariant):
+                self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+        torch.cuda.synchronize(self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's message to the runner's own batch state."""
