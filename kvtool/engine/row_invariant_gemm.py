@@ -10,9 +10,10 @@ rows and any of the tile configurations below. For many rows cuBLAS's own kernel
 the same way and give the same bits (tests/cuda/test_row_invariance.py checks both on the GPU
 it runs on), and they are faster, so `linear` uses cuBLAS from CUBLAS_MIN_ROWS rows up.
 
-The runner turns this on for steps that compute prefill rows (`row_invariant_gemms`); decode
-steps keep cuBLAS, or the GEMV of `gemv` for a single row (a decode row is computed the same
-way whether or not a prefix was loaded).
+The runner turns this on for steps that compute prefill rows (`row_invariant_gemms`), and for
+decode steps too in batch-invariant mode (the default); without that mode decode steps keep
+cuBLAS, or the GEMV of `gemv` for a single row (a decode row is computed the same way whether
+or not a prefix was loaded).
 """
 
 from __future__ import annotations
