@@ -23,7 +23,6 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 # From this many new blocks up, `extend_block_hashes` encodes the blocks' tokens in one vectorized
 # pass (a long prompt: about a quarter of cbor2's time per block); below it, one cbor2 call each.
 BATCH_MIN_BLOCKS = 8
-DIGEST_SIZE = 32
 # Canonical CBOR heads: an array of 3 items, then a byte string of 32 bytes (the parent digest).
 _LINK_HEAD = b"\x83\x58\x20"
 _CBOR_NULL = b"\xf6"
@@ -76,11 +75,9 @@ def extend_block_hashes(
     if num_full - len(hashes) >= BATCH_MIN_BLOCKS:
         if not hashes and cache_salt:  # the salted first block: cbor2 encodes its extra keys
             hashes.append(hash_block_tokens(none_hash, token_ids[:block_size], block_extra_keys(0, cache_salt)))
-        parent = hashes[-1] if hashes else none_hash
-        if len(parent) == DIGEST_SIZE:
-            rest = token_ids[len(hashes) * block_size : num_full * block_size]
-            hashes.extend(_chain_plain_blocks(parent, rest, block_size))
-    for i in range(len(hashes), num_full):
+        rest = token_ids[len(hashes) * block_size : num_full * block_size]
+        hashes.extend(_chain_plain_blocks(hashes[-1] if hashes else none_hash, rest, block_size))
+    for i in range(len(hashes), num_full):  # few blocks, or ids only cbor2 encodes
         parent = hashes[i - 1] if i else none_hash
         block = token_ids[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block_tokens(parent, block, block_extra_keys(i, cache_salt)))
@@ -117,18 +114,14 @@ def _cbor_uints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
 
 def _chain_plain_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` (no extra keys), chained from `parent`: the same
-    bytes as `hash_block_tokens`, each block's CBOR assembled from one encoding of every token."""
+    bytes as `hash_block_tokens`, each block's CBOR assembled from one encoding of every token.
+    Empty when an id lies outside [0, 2**32) (never a real vocabulary's): cbor2 encodes those."""
     try:
         values = np.asarray(token_ids, dtype=np.int64)
     except OverflowError:
-        values = None
-    # Ids outside [0, 2**32) (never a real vocabulary's) go through cbor2.
-    if values is None or (values.size and not 0 <= int(values.min()) <= int(values.max()) < 1 << 32):
-        out = []
-        for i in range(len(token_ids) // block_size):
-            parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
-            out.append(parent)
-        return out
+        return []
+    if values.size and not 0 <= int(values.min()) <= int(values.max()) < 1 << 32:
+        return []
     data, ends = _cbor_uints(values)
     bounds = [0, *ends[block_size - 1 :: block_size].tolist()]
     head = _cbor_array_head(block_size)
