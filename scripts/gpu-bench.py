@@ -429,7 +429,7 @@ def section_throughput():
                f"batch_invariant={invariant}",
                total_out / wall, "tok/s", None, goal=25000, output_tokens=total_out, input_tokens=sum(ins),
                wall_s=round(wall, 3), walls_s=[round(w, 3) for w in walls],
-               graphs_captured=sorted(engine.runner.graphs.graphs))
+               graphs_replayed=sorted(engine.runner.graphs.replays))
         engine.close()
         # The next arm's engine sizes its KV pages from free memory: drop this one's first.
         del engine, results

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, all captured at start-up.
 
 A decode step is a few hundred small kernels; replaying them as one graph removes the host
 launch cost (about 20 us per eager op on the measured VM). Every graph reads one static int32
@@ -12,6 +12,10 @@ copy from a pinned buffer, and replays; the graph ends with the logits and their
 greedy step reads back B token ids and nothing else. The split-KV partition count is fixed per bucket so that a replay stays valid
 for any context up to the table width; empty splits exit at once. All graphs share one memory
 pool; the logits of a replay are read before the next replay, which is all such sharing needs.
+
+The runner captures every bucket up to the engine's `max_num_seqs` when it starts (`capture_all`),
+so no request pays for a capture or for compiling the kernels of a new batch size; the buckets
+stop at `max_num_seqs`, since no decode step can hold more sequences.
 
 In batch-invariant mode a graph is captured with the row-invariant GEMMs on and the fixed-tile
 decode kernel, whose tile slots are sized for the bucket (`tile_slots`); a batch that needs
@@ -65,7 +69,15 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, argmax)
+        self.replays: dict[int, int] = {}  # bucket -> replays so far
         self.pool = None
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph not captured yet (start-up)."""
+        for bucket in self.buckets:
+            if bucket not in self.graphs:
+                self._capture(bucket)
+        torch.cuda.synchronize(self.kv_pages.device)
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch` rows, or None when it is too large."""
@@ -111,6 +123,7 @@ class DecodeGraphs:
         if patch is not None:
             patch(self.static[:batch, 0])
         self.graphs[bucket].replay()
+        self.replays[bucket] = self.replays.get(bucket, 0) + 1
         logits, tokens = self.outputs[bucket]
         return logits[:batch], tokens[:batch]
 

@@ -170,7 +170,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 self.model, self.kv_pages, self.device, worker_half, max_model_len=self.max_model_len,
                 use_cuda_graphs=not params.enforce_eager, backend=params.attention_backend,
-                batch_invariant=params.batch_invariant,
+                batch_invariant=params.batch_invariant, max_num_seqs=params.max_num_seqs,
             )
         else:
             self.runner = self.tp_executor

@@ -162,6 +162,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         backend: str = "auto",
         batch_invariant: bool = False,
+        max_num_seqs: int = MAX_GRAPH_BATCH,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -181,6 +182,7 @@ class ModelRunner:
         self.graphs = None
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
+        self.max_num_seqs = max_num_seqs
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
 
@@ -203,9 +205,11 @@ class ModelRunner:
         if use_cuda_graphs:
             from kvtool.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv_pages, MAX_GRAPH_BATCH, width, self.num_splits_for,
-                                       self.batch_invariant)
+            self.graphs = DecodeGraphs(self.model, self.kv_pages, min(MAX_GRAPH_BATCH, self.max_num_seqs), width,
+                                       self.num_splits_for, self.batch_invariant)
         self._warm_up_prefill(num_sms)
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def _warm_up_prefill(self, num_sms: int) -> None:
         """Run a few prefills once, so that their Triton kernels compile now rather than inside a

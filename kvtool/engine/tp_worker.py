@@ -169,7 +169,7 @@ class _Worker:
         self.runner = ModelRunner(
             self.model, self.kv_pages, self.device, self.connector, max_model_len=spec.max_model_len,
             use_cuda_graphs=not p.enforce_eager, backend=p.attention_backend,
-            batch_invariant=p.batch_invariant,
+            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs,
         )
 
     def _recv(self):

@@ -79,7 +79,7 @@ def test_a_request_gives_the_same_bits_batched_with_0_to_63_others(qwen_dir, gra
             mixed = engine.generate(others(n) + TARGETS[:1], [SP] * n + [SEEDED])
             assert outputs(mixed[-1:]) == alone_seeded, n
         if graphs:
-            assert len(engine.runner.graphs.graphs) >= 4
+            assert len(engine.runner.graphs.replays) >= 4
     finally:
         engine.close()
 

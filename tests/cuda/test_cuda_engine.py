@@ -60,9 +60,23 @@ def test_graph_decode_equals_eager(cuda_engine, batch):
     graphed = cuda_engine()
     eager = cuda_engine(graphs=False)
     a = graphed.generate(prompts, GREEDY)
-    assert graphed.runner.graphs.graphs, "no decode step replayed a graph"
+    assert sum(graphed.runner.graphs.replays.values()), "no decode step replayed a graph"
     b = eager.generate(prompts, GREEDY)
     assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
+
+
+def test_decode_graphs_are_captured_at_start_up_up_to_max_num_seqs(cuda_engine):
+    """Every bucket up to --max-num-seqs is captured when the engine starts, and none above it;
+    requests of every batch size replay those graphs and capture nothing."""
+    engine = cuda_engine(max_num_seqs=20)
+    graphs = engine.runner.graphs
+    assert graphs.buckets == [1, 2, 4, 8, 16, 20]
+    captured = dict(graphs.graphs)
+    assert sorted(captured) == graphs.buckets
+    for batch in (1, 3, 13, 20):
+        engine.generate([prompt(30 + 7 * i, seed=i) for i in range(batch)], GREEDY)
+    assert graphs.graphs == captured
+    assert set(graphs.replays) == {1, 4, 16, 20}
 
 
 def test_graph_decode_with_padding_rows(cuda_engine):
@@ -72,7 +86,7 @@ def test_graph_decode_with_padding_rows(cuda_engine):
     prompts = [prompt(50 + 11 * i, seed=i) for i in range(5)]
     graphed = cuda_engine()
     a = graphed.generate(prompts, sp)
-    assert 8 in graphed.runner.graphs.graphs
+    assert graphed.runner.graphs.replays.get(8)
     b = cuda_engine(graphs=False).generate(prompts, sp)
     for x, y in zip(a, b):
         for tx, ty, lx, ly in zip(x.output_token_ids, y.output_token_ids, x.logprobs, y.logprobs):
