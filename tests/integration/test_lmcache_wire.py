@@ -17,6 +17,7 @@ import uuid
 import pytest
 import torch
 
+from kvtool.engine.connectors.lmcache.client import RCVLOWAT_BYTES
 from kvtool.engine.connectors.lmcache.wire import ChunkHeader, LMClient, kv_chunk_header, tensor_buffer
 from kvtool.engine.errors import KVRefused, PeerError
 from tests.peer_server import finish_client, run_lmcache_client
@@ -99,6 +100,26 @@ def test_chunk_round_trip_bit_exact(client):
     out = torch.empty(CHUNK_SHAPE, dtype=torch.bfloat16)
     assert client.get_into(key, tensor_buffer(out), expected=header) == header
     assert same_bits(out, chunk)
+
+
+@peer
+def test_one_connection_reads_payloads_past_its_receive_low_water_mark(lmcache_server):
+    """One connection reads payloads in pieces of at least RCVLOWAT_BYTES: a payload's last
+    piece is shorter, and nothing follows the last payload, so the mark must come down for it
+    (else the read would wait for bytes that never come, until the deadline)."""
+    host, port, _ = lmcache_server
+    sizes = (RCVLOWAT_BYTES + 300 * 1024, RCVLOWAT_BYTES // 3, 3 * RCVLOWAT_BYTES)
+    chunks = [random_chunk(seed=20 + i, shape=(2, 4, n // 4096, 512)) for i, n in enumerate(sizes)]
+    with LMClient(host, port, connections=1, timeout_s=30.0) as one:
+        keys = [unique_key() for _ in chunks]
+        headers = [put_tensor(one, k, c) for k, c in zip(keys, chunks)]
+        outs = [torch.empty_like(c) for c in chunks]
+        assert one.get_into(keys[0], tensor_buffer(outs[0]), expected=headers[0]) == headers[0]
+        assert same_bits(outs[0], chunks[0])
+        outs = [torch.empty_like(c) for c in chunks]
+        items = [(k, tensor_buffer(o), h) for k, o, h in zip(keys, outs, headers)]
+        assert one.get_many_into(items) == headers
+        assert all(same_bits(o, c) for o, c in zip(outs, chunks))
 
 
 @peer

@@ -66,6 +66,11 @@ DEFAULT_BACKOFF_S = 10.0
 # connection the loop was the faster (3.45-3.70 against 3.21-3.23 GB/s), so one keeps it.
 WAITALL_MIN_BYTES = 1 << 16
 _WAITALL = socket.MSG_WAITALL if sys.platform.startswith("linux") else 0
+# Otherwise a payload is read in pieces of at least this many bytes (SO_RCVLOWAT, lowered for a
+# payload's last piece): fewer wake-ups, polls and recv calls per payload. On the H200 host, GETs
+# into the pages over one connection ran 6-7% faster with 2 MiB than with any amount (two A/B
+# runs, alternating on one engine), and 8 MiB was slower than either.
+RCVLOWAT_BYTES = 2 << 20
 _TIMEVAL = struct.Struct("@ll")
 
 T = TypeVar("T")
@@ -109,6 +114,7 @@ class _Connection:
         self.host, self.port = host, port
         self.waitall = bool(_WAITALL) and waitall  # large payloads through `_recv_all_before`
         self.sock: socket.socket | None = None
+        self.lowat = 1  # the socket's SO_RCVLOWAT
         self.reply_buf = bytearray(RESPONSE.size)
         self.num_requests = 0  # since connect; 0 means a failure cannot be a stale socket
 
@@ -116,7 +122,7 @@ class _Connection:
         if self.sock is None:
             sock = socket.create_connection((self.host, self.port), timeout=_remaining(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are tiny
-            self.sock, self.num_requests = sock, 0
+            self.sock, self.num_requests, self.lowat = sock, 0, 1
         return self.sock
 
     def drop(self) -> None:
@@ -161,6 +167,10 @@ class _Connection:
             if waitall:
                 k = _recv_all_before(sock, view[got:], n - got, left)
             else:
+                lowat = max(1, min(RCVLOWAT_BYTES, n - got))
+                if lowat != self.lowat:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                    self.lowat = lowat
                 sock.settimeout(left)
                 k = sock.recv_into(view[got:], n - got)
             if k == 0:
