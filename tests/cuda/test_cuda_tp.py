@@ -22,7 +22,8 @@ PROMPTS = [[(i * 31 + s * 17) % 500 + 5 for i in range(n)] for s, n in ((0, 7), 
 def _generate(model_dir, **overrides):
     from kvtool.engine.engine import LLMEngine
 
-    params = EngineParams(model=str(model_dir), device="cuda", dtype="float32", num_gpu_blocks=256, **overrides)
+    params = EngineParams(**{"model": str(model_dir), "device": "cuda", "dtype": "float32", "num_gpu_blocks": 256,
+                             **overrides})
     with LLMEngine(params) as engine:
         results = engine.generate(PROMPTS, GREEDY)
         engine.check_integrity()
@@ -39,6 +40,15 @@ def test_tp2_equals_tp1_on_two_gpus(tiny_model_dir, eager):
         for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
             for token, value in lp_a.items():
                 assert lp_b[token] == pytest.approx(value, abs=1e-3)
+
+
+@needs_two
+def test_tp2_decode_graphs_captured_at_start_up_equal_eager_in_bf16(tiny_model_dir):
+    """bf16 runs the Triton kernels: each rank runs the start-up prefills and captures its decode
+    graphs (all-reduces inside) in step with the other; greedy tokens then follow eager decode."""
+    graphs = _generate(tiny_model_dir, dtype="bfloat16", tensor_parallel_size=2, max_num_seqs=8)
+    eager = _generate(tiny_model_dir, dtype="bfloat16", tensor_parallel_size=2, max_num_seqs=8, enforce_eager=True)
+    assert [r.output_token_ids for r in graphs] == [r.output_token_ids for r in eager]
 
 
 def test_a_size_larger_than_the_devices_is_refused_in_one_line(tiny_model_dir):
