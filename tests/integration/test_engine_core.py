@@ -104,6 +104,12 @@ def test_bad_requests_are_refused(make_engine):
         engine.add_request([], GREEDY)
     with pytest.raises(InputError, match="maximum model length"):
         engine.add_request(list(range(3, 200)), GREEDY)
+    vocab = engine.model_config.vocab_size
+    for bad in (-1, vocab, vocab + 7):
+        with pytest.raises(InputError, match=rf"^token id {bad} is out of range for a vocabulary of {vocab}$"):
+            engine.add_request([5, 6, bad, -2 if bad != -1 else 7], GREEDY)
+    assert not engine.has_unfinished_requests()
+    engine.add_request([0, vocab - 1], GREEDY)  # both ends of the range are token ids
     with pytest.raises(InputError, match="at least 1"):
         SamplingParams(max_tokens=-1)
     tiny = make_engine(num_gpu_blocks=2)
