@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import sys
 import threading
 import time
@@ -58,20 +57,12 @@ PIPELINE_DEPTH = 256
 # one, and a slow connection holds no more than this many items of a wave.
 GET_WINDOW = 2
 DEFAULT_BACKOFF_S = 10.0
-# With several connections, payloads from this size up are read by one blocking recv(MSG_WAITALL)
-# under a kernel receive timeout set from the deadline (Linux): each thread sleeps in the kernel
-# until its payload is in, instead of a poll, a recv and a GIL hand-off for every segment, so the
-# threads stop contending for the GIL. On a 16-core H200 host, GETs into the pages over four
-# loopback connections ran at 11.9-12.1 GB/s this way against 10.0-10.8 with the loop; over one
-# connection the loop was the faster (3.45-3.70 against 3.21-3.23 GB/s), so one keeps it.
-WAITALL_MIN_BYTES = 1 << 16
-_WAITALL = socket.MSG_WAITALL if sys.platform.startswith("linux") else 0
-# Otherwise a payload is read in pieces of at least this many bytes (SO_RCVLOWAT, lowered for a
-# payload's last piece): fewer wake-ups, polls and recv calls per payload. On the H200 host, GETs
-# into the pages over one connection ran 6-7% faster with 2 MiB than with any amount (two A/B
-# runs, alternating on one engine), and 8 MiB was slower than either.
-RCVLOWAT_BYTES = 2 << 20
-_TIMEVAL = struct.Struct("@ll")
+# Payloads are read in pieces of at least this many bytes (SO_RCVLOWAT, lowered for a payload's
+# last piece): fewer wake-ups, polls and recv calls per payload. On the H200 host, GETs of 37 MB
+# chunks into the pages, A/B runs alternating on one engine: over one connection 2 MiB read 6-7%
+# faster than any amount (8 MiB slower than either); over four, 12.5-12.8 GB/s against 9.8 for
+# any amount and 10.7-11.0 for one blocking recv(MSG_WAITALL) per payload; 1 MiB 12.0, 4 MiB 12.7.
+RCVLOWAT_BYTES = 0 if sys.platform == "win32" else 2 << 20  # 0: any amount
 
 T = TypeVar("T")
 ItemT = TypeVar("ItemT")
@@ -90,19 +81,6 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-def _recv_all_before(sock: socket.socket, view: memoryview, n: int, left: float) -> int:
-    """One blocking recv(MSG_WAITALL) of up to n bytes that waits at most `left` seconds in all
-    (SO_RCVTIMEO bounds the whole call); returns the bytes read, fewer when the time ran out."""
-    sock.settimeout(None)
-    sec = int(left)
-    usec = max(1, int((left - sec) * 1e6)) if sec == 0 else int((left - sec) * 1e6)  # 0 would mean forever
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, usec))
-    try:
-        return sock.recv_into(view, n, _WAITALL)
-    except BlockingIOError:  # the receive timeout ran out before a byte came
-        raise DeadlineExceeded("timed out") from None
-
-
 class _Connection:
     """One pool slot: a socket (connected lazily) and a reusable reply buffer.
 
@@ -110,9 +88,8 @@ class _Connection:
     timeout is set to what is left of it before each blocking call.
     """
 
-    def __init__(self, host: str, port: int, waitall: bool = False):
+    def __init__(self, host: str, port: int):
         self.host, self.port = host, port
-        self.waitall = bool(_WAITALL) and waitall  # large payloads through `_recv_all_before`
         self.sock: socket.socket | None = None
         self.lowat = 1  # the socket's SO_RCVLOWAT
         self.reply_buf = bytearray(RESPONSE.size)
@@ -161,18 +138,14 @@ class _Connection:
         if sock is None:
             raise ConnectionError("not connected")
         got, n = 0, len(view)
-        waitall = self.waitall and n >= WAITALL_MIN_BYTES
         while got < n:
             left = _remaining(deadline)
-            if waitall:
-                k = _recv_all_before(sock, view[got:], n - got, left)
-            else:
-                lowat = max(1, min(RCVLOWAT_BYTES, n - got))
-                if lowat != self.lowat:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-                    self.lowat = lowat
-                sock.settimeout(left)
-                k = sock.recv_into(view[got:], n - got)
+            lowat = max(1, min(RCVLOWAT_BYTES, n - got))
+            if lowat != self.lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                self.lowat = lowat
+            sock.settimeout(left)
+            k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise ConnectionError("connection closed by the server")
             got += k
@@ -226,7 +199,7 @@ class LMClient:
         self.backoff_s = backoff_s
         # FIFO: consecutive checkouts rotate through the pool, so stripes land on distinct sockets.
         self._pool: queue.Queue[_Connection] = queue.Queue()
-        self._all = [_Connection(host, port, waitall=connections > 1) for _ in range(connections)]
+        self._all = [_Connection(host, port) for _ in range(connections)]
         for conn in self._all:
             self._pool.put(conn)
         self._executor: ThreadPoolExecutor | None = None
