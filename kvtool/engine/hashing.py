@@ -12,6 +12,7 @@ NONE_HASH is the hash of the `PYTHONHASHSEED` string when that variable is prese
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 from collections.abc import Sequence
@@ -99,6 +100,7 @@ def _cbor_array_head(n: int) -> bytes:
 _UINT_HEADS = np.array([0, 24, 25, 26], dtype=np.uint8)
 _UINT_KEEP = np.array([[1, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=bool)
 _UINT_SIZES = _UINT_KEEP.sum(axis=1)
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)  # array typecode of a uint32
 
 
 def _cbor_uints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -116,11 +118,9 @@ def _chain_plain_blocks(parent: BlockHash, token_ids: Sequence[int], block_size:
     """Hashes of the full blocks of `token_ids` (no extra keys), chained from `parent`: the same
     bytes as `hash_block_tokens`, each block's CBOR assembled from one encoding of every token.
     Empty when an id lies outside [0, 2**32) (never a real vocabulary's): cbor2 encodes those."""
-    try:
-        values = np.asarray(token_ids, dtype=np.int64)
-    except OverflowError:
-        return []
-    if values.size and not 0 <= int(values.min()) <= int(values.max()) < 1 << 32:
+    try:  # an array of C unsigned 32-bit ints refuses ids outside [0, 2**32); twice as fast as np.asarray
+        values = np.frombuffer(array.array(_U32, token_ids), dtype=np.uint32)
+    except (OverflowError, TypeError):
         return []
     data, ends = _cbor_uints(values)
     bounds = [0, *ends[block_size - 1 :: block_size].tolist()]
