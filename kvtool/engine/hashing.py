@@ -95,23 +95,26 @@ def _cbor_array_head(n: int) -> bytes:
     raise ValueError(f"array of {n} items")
 
 
-# Per size class of an id (below 24, 2**8, 2**16, 2**32): its CBOR head byte (the id itself in
-# the first class), which of [head, 4 big-endian bytes] it keeps, and how many bytes that is.
-_UINT_HEADS = np.array([0, 24, 25, 26], dtype=np.uint8)
-_UINT_KEEP = np.array([[1, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=bool)
-_UINT_SIZES = _UINT_KEEP.sum(axis=1)
 _U32 = next(code for code in "IL" if array.array(code).itemsize == 4)  # array typecode of a uint32
 
 
-def _cbor_uints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Canonical CBOR of each integer in [0, 2**32) (major type 0, shortest form), concatenated,
-    and the byte offset where each one ends."""
-    v = values.astype(np.uint32)
-    cls = (v >= 24).astype(np.intp) + (v >= 1 << 8) + (v >= 1 << 16)
-    cells = np.empty((v.size, 5), dtype=np.uint8)
-    cells[:, 1:] = v.astype(">u4").view(np.uint8).reshape(-1, 4)
-    cells[:, 0] = np.where(cls == 0, v, _UINT_HEADS[cls])
-    return cells[_UINT_KEEP[cls]].tobytes(), np.cumsum(_UINT_SIZES[cls])
+def _cbor_uints(values: np.ndarray, block_size: int) -> tuple[bytes, np.ndarray]:
+    """Canonical CBOR of each integer of `values` (uint32; major type 0, shortest form: the id
+    itself below 24, else a head byte 24/25/26 and 1/2/4 big-endian bytes), concatenated, and
+    the byte offset where each full block of `block_size` of them ends."""
+    ge24, ge256, ge64k = values >= 24, values >= 1 << 8, values >= 1 << 16
+    cells = np.empty((values.size, 5), dtype=np.uint8)
+    cells[:, 1:] = values.astype(">u4").view(np.uint8).reshape(-1, 4)
+    cells[:, 0] = np.where(ge24, 23 + ge24.view(np.uint8) + ge256 + ge64k, values)
+    keep = np.empty((values.size, 5), dtype=bool)
+    keep[:, 0] = True
+    keep[:, 1] = keep[:, 2] = ge64k
+    keep[:, 3] = ge256
+    keep[:, 4] = ge24
+    sizes = 1 + ge24.view(np.uint8) + ge256.view(np.uint8) + 2 * ge64k.view(np.uint8)  # 1, 2, 3 or 5 bytes
+    full = values.size // block_size * block_size
+    ends = np.cumsum(sizes[:full].reshape(-1, block_size).sum(axis=1, dtype=np.int64))
+    return cells[keep].tobytes(), ends
 
 
 def _chain_plain_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
@@ -122,8 +125,8 @@ def _chain_plain_blocks(parent: BlockHash, token_ids: Sequence[int], block_size:
         values = np.frombuffer(array.array(_U32, token_ids), dtype=np.uint32)
     except (OverflowError, TypeError):
         return []
-    data, ends = _cbor_uints(values)
-    bounds = [0, *ends[block_size - 1 :: block_size].tolist()]
+    data, ends = _cbor_uints(values, block_size)
+    bounds = [0, *ends.tolist()]
     head = _cbor_array_head(block_size)
     out = []
     sha256 = hashlib.sha256
