@@ -216,11 +216,12 @@ def test_slot_transfers_load_and_store(scattered):
         tr.STAGING_BYTES = old
 
 
+@pytest.mark.parametrize("per", [1, 2, 3])
 @pytest.mark.parametrize("scattered", [False, True])
-def test_layerwise_loads_through_the_copy_engine(scattered):
-    """Layerwise loads as pitched copies (one per layer and run, straight into the pages or staged
-    and scattered): every byte in place, one event per layer, and layer l's pieces in place once
-    its event has completed, whatever later layers are doing."""
+def test_layerwise_loads_through_the_copy_engine(scattered, per):
+    """Layerwise loads as pitched copies (one per group of `per` layers and run, straight into the
+    pages or staged and scattered): every byte in place, an event per layer, and the first
+    group's pieces in place once layer 0's event has completed, whatever later groups are doing."""
     from kvtool.engine.connectors.offloading import transfers as tr
     from kvtool.engine.kv_pages import KVGeometry, KVPages
 
@@ -230,6 +231,8 @@ def test_layerwise_loads_through_the_copy_engine(scattered):
     flat = pool.view(-1, *pool.shape[2:])
     t = tr.SlotTransfers(pool, pages)
     assert t.can_copy_rows()
+    assert t.layers_per_copy == 3  # 4 KB pieces: every layer in one row, up to LOAD_ROW_BYTES
+    t.layers_per_copy = per
     old = tr.STAGING_BYTES
     tr.STAGING_BYTES = 5 * geo.bytes_per_block  # several chunks per layer, both buffers reused
     try:
@@ -240,7 +243,8 @@ def test_layerwise_loads_through_the_copy_engine(scattered):
         assert len(t.layer_events) == geo.num_layers
         t.layer_events[0].synchronize()
         for src, d in pairs:
-            assert torch.equal(pages.tensor[d, :, 0].cpu(), flat[src, :, 0])
+            assert torch.equal(pages.tensor[d, :, :per].cpu(), flat[src, :, :per])
+        assert len(set(t.layer_events)) == -(-geo.num_layers // per)
         t.finish_loads()
         for src, d in pairs:
             assert torch.equal(pages.tensor[d].cpu(), flat[src])

@@ -1,6 +1,20 @@
 """How the CPU tier's copies are planned (pure functions; run on every machine)."""
 
-from kvtool.engine.connectors.offloading.transfers import coalesce, source_chunks, staging_fills
+from kvtool.engine.connectors.offloading.transfers import coalesce, layer_groups, source_chunks, staging_fills
+
+
+def test_layer_groups_cover_every_layer_once_in_order():
+    assert layer_groups(36, 3) == [(i, i + 3) for i in range(0, 36, 3)]
+    assert layer_groups(28, 3)[-1] == (27, 28)  # the last group is shorter
+    assert layer_groups(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert layer_groups(3, 1) == [(0, 1), (1, 2), (2, 3)]
+    assert layer_groups(3, 7) == [(0, 3)]  # at most every layer in one group
+    assert layer_groups(3, 0) == [(0, 1), (1, 2), (2, 3)]  # at least one layer a group
+    for n in range(1, 40):
+        for per in range(1, 12):
+            groups = layer_groups(n, per)
+            assert [l for a, b in groups for l in range(a, b)] == list(range(n))
+            assert all(b - a == per for a, b in groups[:-1]) and 0 < groups[-1][1] - groups[-1][0] <= per
 
 
 def test_coalesce_merges_runs_consecutive_on_both_sides():

@@ -20,16 +20,18 @@ Ordering (one compute stream, one load stream with its copy stream, one store st
   next step; a step that writes a block a store still reads waits for that store first
   (`order_page_writes`), and so do host readers of a slot (the disk writer).
 
-Layerwise loads and saves need one layer's slice of many blocks, pieces of bs*H*D elements
+Layerwise loads and saves need a few layers' slice of many blocks, pieces of bs*H*D elements
 strided by L. Loads take them through the copy engine as pitched copies (`pitched_copy`: one
-transfer per layer and run of consecutive pool blocks, the pieces its rows), staged and scattered
-like whole blocks when the destinations are scattered; the forward's layer l waits for layer l
-alone, so its kernels run while later layers are still on the way. Where the driver's pitched
-copy is not available, and for layerwise saves, a Triton kernel reads or writes the pieces
-straight in the pinned pool (mapped into the device's address space), one launch per layer; it
-runs on the SMs, beside the forward. A layerwise save of layer l waits for the compute stream
-right after layer l wrote its K/V, so the copies run beside the layers that follow instead of
-after the step.
+transfer per group of `layers_per_copy` consecutive layers and run of consecutive pool blocks,
+the group's pieces of a block, contiguous on both sides, its rows), staged and scattered like
+whole blocks when the destinations are scattered; the forward's layer l waits for its group
+alone, so its kernels run while later groups are still on the way. Groups keep each row at
+LOAD_ROW_BYTES or more: rows of a single layer's piece (32 KB on Qwen3-8B) move about 10% slower
+than whole blocks. Where the driver's pitched copy is not available, and for layerwise saves, a
+Triton kernel reads or writes the pieces straight in the pinned pool (mapped into the device's
+address space), one launch per layer; it runs on the SMs, beside the forward. A layerwise save of
+layer l waits for the compute stream right after layer l wrote its K/V, so the copies run beside
+the layers that follow instead of after the step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from kvtool.engine.connectors.offloading import pitched_copy
 from kvtool.engine.kv_pages import KVPages
 
 STAGING_BYTES = 64 << 20  # one of two device staging buffers for loads into scattered blocks
+# Layerwise loads copy rows of at least this many bytes (whole layers' pieces of a block): on an
+# H200, full hits of Qwen3-8B (32 KB pieces) took 26.2 / 102.9 ms at 8k / 32k tokens with rows of
+# 3 layers, 29.2 / 117.4 with 1, 29.3 / 103.3 with 6 and 29.8 / 104.7 with 9 (BENCHMARKS.md).
+LOAD_ROW_BYTES = 96 << 10
 
 
 def source_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[tuple[int, int, int]]:
@@ -73,6 +79,12 @@ def staging_fills(pairs: list[tuple[int, int]], capacity: int) -> list[tuple[int
             fills[-1] = (first, k + take, pieces)
             at, src, n = at + take, src + take, n - take
     return fills
+
+
+def layer_groups(num_layers: int, per: int) -> list[tuple[int, int]]:
+    """[first, end) layer ranges of `per` consecutive layers (the last one may be shorter)."""
+    per = max(1, min(per, num_layers))
+    return [(l0, min(l0 + per, num_layers)) for l0 in range(0, num_layers, per)]
 
 
 def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -124,6 +136,9 @@ class SlotTransfers:
         self._layer_store_start: torch.cuda.Event | None = None
         self._layer_copy = None
         self._rows_ok: bool | None = None  # pitched copies work (checked once)
+        # Layers per pitched copy in layerwise loads: rows of that many layers' pieces.
+        piece_bytes = g.bytes_per_block // (2 * g.num_layers)
+        self.layers_per_copy = max(1, min(g.num_layers, -(-LOAD_ROW_BYTES // piece_bytes)))
         # Index tensors go to the device through one pinned buffer, grown as needed (pinning a
         # fresh one per load costs milliseconds on the load's critical path).
         self._index_host: torch.Tensor | None = None
@@ -226,15 +241,18 @@ class SlotTransfers:
         return self.staging
 
     def _load_layers(self, pairs: list[tuple[int, int]]) -> None:
-        """Layer by layer through the copy engine: for each layer, one pitched copy per run of
-        consecutive pool blocks (its rows are the blocks' K and V pieces of that layer), straight
-        into the pages when the destinations are consecutive too, else into the two staging
-        buffers in turn (`staging_fills`: a copy per run in the fill) and scattered into the
-        layer's slice of the pages on the load stream, once per fill. Layer l's event is
-        recorded once its pieces are in place."""
+        """Layers in groups of `layers_per_copy` through the copy engine: for each group, one
+        pitched copy per run of consecutive pool blocks (its rows are the blocks' K and V pieces
+        of the group's layers, contiguous on both sides), straight into the pages when the
+        destinations are consecutive too, else into the two staging buffers in turn
+        (`staging_fills`: a copy per run in the fill) and scattered into the group's slice of
+        the pages on the load stream, once per fill. Each layer's event is its group's, recorded
+        once the group's pieces are in place."""
         ls, cs = self.load_stream, self.copy_stream
         pages = self.pages.tensor
         num_layers = self.num_layers
+        groups = layer_groups(num_layers, self.layers_per_copy)
+        per = groups[0][1]
         piece_shape = pages.shape[3:]  # (bs, H, D)
         piece = pages[0, 0, 0].numel() * pages.element_size()
         pitch = num_layers * piece
@@ -244,45 +262,48 @@ class SlotTransfers:
             return base + (block * 2 * num_layers + layer) * piece
 
         runs = coalesce(pairs)
-        # A staging buffer holds that many whole blocks, so that many times L blocks' pieces of one layer.
-        chunks = source_chunks(pairs, self._staging_blocks() * num_layers)
+        # A staging buffer holds that many whole blocks, so L // per times as many blocks' pieces of one group.
+        capacity = self._staging_blocks() * num_layers // per
+        chunks = source_chunks(pairs, capacity)
         if len(chunks) * 4 > len(runs):
-            for layer in range(num_layers):
+            for l0, l1 in groups:
                 for src, dst, n in runs:
-                    pitched_copy.copy_rows_h2d(row0(pages_at, dst, layer), pitch, row0(pool_at, src, layer), pitch,
-                                               piece, 2 * n, ls.cuda_stream)
-                self._record_layer(ls)
+                    pitched_copy.copy_rows_h2d(row0(pages_at, dst, l0), pitch, row0(pool_at, src, l0), pitch,
+                                               (l1 - l0) * piece, 2 * n, ls.cuda_stream)
+                self._record_layer(ls, l1 - l0)
             return
         bufs = [b.view(-1) for b in self._staging_buffers()]
         dst = self._device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
         cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
         elems = pages[0, 0, 0].numel()
-        fills = staging_fills(pairs, self._staging_blocks() * num_layers)
+        fills = staging_fills(pairs, capacity)
         scattered: list[torch.cuda.Event] = []
-        for layer in range(num_layers):
-            layer_pages = pages[:, :, layer]  # [num_blocks, 2, bs, H, D], strided
+        for l0, l1 in groups:
+            g = l1 - l0
+            group_pages = pages[:, :, l0:l1]  # [num_blocks, 2, g, bs, H, D], strided
             for at, n, pieces in fills:
                 i = len(scattered)
-                buf = bufs[i % 2][: 2 * n * elems].view(n, 2, *piece_shape)
+                buf = bufs[i % 2][: 2 * n * g * elems].view(n, 2, g, *piece_shape)
                 if i >= 2:
                     cs.wait_event(scattered[i - 2])
                 base = buf.data_ptr()
                 for src, k, count in pieces:
-                    pitched_copy.copy_rows_h2d(base + 2 * k * piece, piece, row0(pool_at, src, layer), pitch, piece,
-                                               2 * count, cs.cuda_stream)
+                    pitched_copy.copy_rows_h2d(base + 2 * k * g * piece, g * piece, row0(pool_at, src, l0), pitch,
+                                               g * piece, 2 * count, cs.cuda_stream)
                 copied = torch.cuda.Event()
                 copied.record(cs)
                 ls.wait_event(copied)
-                layer_pages.index_copy_(0, dst[at : at + n], buf)
+                group_pages.index_copy_(0, dst[at : at + n], buf)
                 ev = torch.cuda.Event()
                 ev.record(ls)
                 scattered.append(ev)
-            self._record_layer(ls)
+            self._record_layer(ls, g)
 
-    def _record_layer(self, ls: torch.cuda.Stream) -> None:
+    def _record_layer(self, ls: torch.cuda.Stream, layers: int = 1) -> None:
+        """One event for the next `layers` layers, recorded now on `ls`."""
         ev = torch.cuda.Event()
         ev.record(ls)
-        self.layer_events.append(ev)
+        self.layer_events.extend([ev] * layers)
 
     def _load_staged(self, pairs: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> None:
         """Pages whose destination blocks are scattered: large copies of consecutive pool blocks
