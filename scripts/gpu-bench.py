@@ -8,9 +8,10 @@ Sections:
               cached prefix, beside cuDNN SDPA (TFLOP/s)
   prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
-              without layerwise loads; cold prefills storing to the tier with and without layerwise saves
-  hit-layers  Qwen3-8B full hits at 8k/16k/24k/32k, whole-block loads against layerwise ones (pitched
-              copies), two alternating passes each: TTFT and the host time of the step's forward
+              without `layerwise`; cold prefills storing to the tier with and without layerwise saves
+  hit-layers  Qwen3-8B full hits at 8k/16k/24k/32k, whole-block loads against loads in groups of
+              layers (pitched copies, the default), two alternating passes each: TTFT and the host
+              time of the step's forward
   decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
@@ -272,7 +273,8 @@ def section_hit():
                runs_ms=[round(t, 2) for t in ttfts])
         record("hit", f"H2D rate during CPU-tier load {n // 1024}k", statistics.median(rates[1:]), "GB/s", H2D_GBS,
                runs=[round(x, 1) for x in rates])
-    # Partial hits: the first half from the tier, the second half computed; whole-block vs layerwise.
+    # Partial hits: the first half from the tier, the second half computed; `layerwise` off and on
+    # (loads go in groups of layers either way; with it the computed half is saved layer by layer).
     for n in ((8192,) if QUICK else (8192, 32768)):
         base = tokens(n // 2, 5000 + n)
         engine.generate([base + [1]], one)
@@ -318,6 +320,7 @@ def section_hit():
 
 
 def section_hit_layers():
+    from kvtool.engine.connectors.offloading import worker as worker_module
     from kvtool.engine.params import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -326,36 +329,38 @@ def section_hit_layers():
     worker, runner = engine.worker_connector, engine.runner
     forward = runner._run_cuda
     host_ms: list[float] = []
+    group_min = worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS
 
-    def timed(so):
+    def timed(plan):
         t0 = time.perf_counter()
-        out = forward(so)
+        out = forward(plan)
         host_ms.append((time.perf_counter() - t0) * 1e3)
         return out
 
     runner._run_cuda = timed
     engine.generate([tokens(512, 99)], one)
+    arms = {"whole blocks": 1 << 62, "layer groups": group_min}
     for n in ((8192,) if QUICK else (8192, 16384, 24576, 32768)):
         p = tokens(n + 1, 1000 + n)
         expected = engine.generate([p], one)[0].output_token_ids
         engine.flush_connector()
-        ttft: dict[bool, list[float]] = {False: [], True: []}
-        host: dict[bool, list[float]] = {False: [], True: []}
-        for layerwise in (False, True, False, True):
-            worker.layerwise = layerwise
+        ttft: dict[str, list[float]] = {arm: [] for arm in arms}
+        host: dict[str, list[float]] = {arm: [] for arm in arms}
+        for arm in [*arms, *arms]:
+            worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS = arms[arm]
             for rep in range(5):
                 host_ms.clear()
                 r = engine.generate([p], one)[0]
                 assert r.stats.num_external_loaded_tokens == n and r.output_token_ids == expected, r.stats
                 if rep:  # the first of each pass warms the other arm's path
-                    ttft[layerwise].append(r.stats.ttft_s * 1e3)
-                    host[layerwise].append(host_ms[0])
-        for layerwise in (False, True):
-            record("hit-layers", f"Qwen3-8B full hit {n // 1024}k TTFT, layerwise loads={layerwise}",
-                   statistics.median(ttft[layerwise]), "ms", None, runs_ms=[round(t, 2) for t in ttft[layerwise]],
-                   forward_host_ms=round(statistics.median(host[layerwise]), 2),
-                   pitched=worker.transfers.can_copy_rows())
-    worker.layerwise = False
+                    ttft[arm].append(r.stats.ttft_s * 1e3)
+                    host[arm].append(host_ms[0])
+        for arm in arms:
+            record("hit-layers", f"Qwen3-8B full hit {n // 1024}k TTFT, loads in {arm}",
+                   statistics.median(ttft[arm]), "ms", None, runs_ms=[round(t, 2) for t in ttft[arm]],
+                   forward_host_ms=round(statistics.median(host[arm]), 2),
+                   layers_per_copy=worker.transfers.layers_per_copy)
+    worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS = group_min
     engine.close()
 
 

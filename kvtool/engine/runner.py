@@ -106,6 +106,16 @@ class SampledTokens:
     logprobs: dict[str, dict[int, float]]
 
 
+@dataclass(slots=True)
+class _CudaStep:
+    """A CUDA step split into its rows; `packed` once its inputs are on their way to the device."""
+
+    decode: list[ScheduledRequest]
+    prefill: list[ScheduledRequest]
+    rows: np.ndarray  # decode_rows of `decode`
+    packed: PackedStep | None = None
+
+
 class PendingOutput:
     """A step the device may still be running. `result()` waits for it (one small copy, no other sync)."""
 
@@ -275,13 +285,18 @@ class ModelRunner:
         taken on the device; its own samples come back through `PendingOutput.result()`.
         """
         self._update_states(so)
+        # A CUDA step's inputs go to the device before the connector queues its loads: copies
+        # to the device run in the order they are queued, so an input copy queued after a load's
+        # copies would hold the forward (and every layer a layerwise load has already delivered)
+        # until the whole load is in.
+        plan = self._plan_cuda(so) if self.backend == "cuda" and not so.is_empty else None
         if self.connector is not None and so.connector_meta is not None:
             self.connector.bind_connector_metadata(so.connector_meta)
             self.connector.start_load_kv()
         sampled = None
         if not so.is_empty:
-            if self.backend == "cuda":
-                sampled = self._run_cuda(so)
+            if plan is not None:
+                sampled = self._run_cuda(plan)
             else:
                 sampled = self._forward_and_sample(so)
         if sampled is not None:
@@ -362,29 +377,41 @@ class ModelRunner:
 
     # ---- CUDA backend ------------------------------------------------------------------------------
 
-    def _run_cuda(self, so: SchedulerOutput) -> SampledTokens | None:
+    def _plan_cuda(self, so: SchedulerOutput) -> _CudaStep:
+        """Split a step into decode and prefill rows; pack the inputs of a step that will run
+        eagerly whatever the connector does (it computes prefill rows, or its decode batch has
+        no captured graph)."""
         # A prompt row is a prefill row even alone (the one token a full hit computes, a 1-token
         # chunk): the prefill kernels give it the bits it has inside a whole-prompt prefill.
         decode = [s for s in so.scheduled if s.num_tokens == 1 and not self._is_prompt_row(s)]
         prefill = [s for s in so.scheduled if s.num_tokens > 1 or self._is_prompt_row(s)]
-        hooks = self.hooks if self._layer_hooks_needed() else None
         rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
+        plan = _CudaStep(decode, prefill, rows)
+        if prefill or self.graphs is None or not self.graphs.fits(rows[:, 3]):
+            plan.packed = self._pack(plan)
+        return plan
+
+    def _pack(self, plan: _CudaStep) -> PackedStep:
+        return pack_step(
+            plan.decode, plan.rows, plan.prefill, [self._block_table(s) for s in plan.prefill], self.block_size,
+            self.device, self.num_splits_for(len(plan.decode), self.max_context), self.batch_invariant,
+        )
+
+    def _run_cuda(self, plan: _CudaStep) -> SampledTokens | None:
+        decode, prefill, rows = plan.decode, plan.prefill, plan.rows
+        hooks = self.hooks if self._layer_hooks_needed() else None
         dst, src = self._placeholder_rows(decode)
-        graphs = self.graphs
-        if not prefill and hooks is None and graphs is not None and graphs.fits(rows[:, 3]):
+        if plan.packed is None and hooks is None:
             self._order_page_writes(rows[:, 2] // self.block_size)
             patch = (lambda ids: self._patch_from_previous(ids, dst, src)) if dst else None
-            logits, greedy = graphs.run(rows, patch)
+            logits, greedy = self.graphs.run(rows, patch)
             sampled = [s for s in decode if s.sample]
             if len(sampled) < len(decode):
                 keep = torch.tensor([i for i, s in enumerate(decode) if s.sample], dtype=torch.long, device=self.device)
                 logits, greedy = logits.index_select(0, keep), greedy.index_select(0, keep)
             return self._sample(sampled, logits, greedy) if sampled else None
 
-        step = pack_step(
-            decode, rows, prefill, [self._block_table(s) for s in prefill], self.block_size, self.device,
-            self.num_splits_for(len(decode), self.max_context), self.batch_invariant,
-        )
+        step = plan.packed if plan.packed is not None else self._pack(plan)
         if dst:
             self._patch_from_previous(step.input_ids, dst, src)
         meta = AttentionMetadata(

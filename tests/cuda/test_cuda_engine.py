@@ -1,7 +1,7 @@
 """The engine on CUDA: graph decode against eager decode, the fast path against the reference
-backend, and the CPU tier's asynchronous copies (whole-block loads, layerwise loads as pitched
-copies on the copy engine, stores that run beside the next step, disk write-through). Skipped
-without CUDA.
+backend, and the CPU tier's asynchronous copies (whole-block loads, loads in groups of layers as
+pitched copies on the copy engine, stores that run beside the next step, disk write-through).
+Skipped without CUDA.
 """
 
 import json
@@ -110,23 +110,29 @@ def test_fast_path_logprobs_close_to_reference(cuda_engine):
         assert max(abs(lx[t] - ly[t]) for t in common) < 0.1
 
 
-def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(cuda_engine):
+@pytest.mark.parametrize("arm", ["whole blocks", "layer groups", "layerwise"])
+def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(cuda_engine, monkeypatch, arm):
     """A local prefix-cache hit and a CPU-tier hit give the same step shapes and the same KV bytes:
-    the outputs must be identical, with loads and saves whole-block and layerwise (loads as
-    pitched copies on the copy engine); layerwise saves fill the tier with the same bytes as
-    whole-block ones."""
+    the outputs must be identical with loads as whole blocks, in groups of layers (the default
+    for a hit of 32 blocks or more) and with `layerwise` (saves through the layer kernel too);
+    layerwise saves fill the tier with the same bytes as whole-block ones."""
+    from kvtool.engine.connectors.offloading import worker as worker_module
+
     p = prompt(600)
     local = cuda_engine()
     local.generate([p], GREEDY)
     hit_local = local.generate([p], GREEDY)[0]
     assert hit_local.stats.num_cached_tokens == 592
 
-    results, pools = [], []
-    for layerwise in (False, True):
-        engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64, layerwise=layerwise),
+    if arm == "whole blocks":
+        monkeypatch.setattr(worker_module, "LAYER_GROUP_LOAD_MIN_BLOCKS", 38)
+    layerwise = arm == "layerwise"
+    pools = []
+    for saves_layerwise in (False, layerwise):
+        engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64, layerwise=saves_layerwise),
                              enable_prefix_caching=False)
         worker = engine.worker_connector
-        assert worker.layerwise is layerwise
+        assert worker.layerwise is saves_layerwise
         transfers = worker.transfers
         layer_calls = []
         store_layer = transfers.store_layer
@@ -137,18 +143,47 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
         cold = engine.generate([p], GREEDY)[0]
         assert cold.stats.num_external_stored_tokens == 592
         # 37 blocks: a layerwise save (at least LAYERWISE_MIN_BLOCKS), one copy per layer
-        assert layer_calls == (list(range(engine.runner.kv_pages.geometry.num_layers)) if layerwise else [])
+        num_layers = engine.runner.kv_pages.geometry.num_layers
+        assert layer_calls == (list(range(num_layers)) if saves_layerwise else [])
         worker.flush()
         pools.append(worker.pool.pool.clone())
         hit = engine.generate([p], GREEDY)[0]
         assert hit.stats.num_external_loaded_tokens == 592
-        results.append(hit.output_token_ids)
-        # 37 blocks loaded: layer by layer through the copy engine with `layerwise`
-        assert pitched_loads == ([37] if layerwise else [])
-        if layerwise:
-            assert transfers.can_copy_layerwise()
-    assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
-    assert results[0] == results[1] == hit_local.output_token_ids
+        assert hit.output_token_ids == hit_local.output_token_ids
+        # 37 blocks loaded: in groups of layers through the copy engine unless held to whole blocks
+        assert pitched_loads == ([] if arm == "whole blocks" else [37])
+        assert transfers.layers_per_copy > 1  # the tiny model's pieces are far below LOAD_ROW_BYTES
+    assert torch.equal(pools[0].view(torch.uint8), pools[-1].view(torch.uint8))
+
+
+def test_a_steps_inputs_reach_the_device_before_its_loads_are_queued(cuda_engine):
+    """Copies to the device run in the order they were queued: a full hit's input copy queued
+    after its loads would hold the forward until the last group of layers is in. The runner
+    packs the step's inputs first."""
+    from kvtool.engine import runner as runner_module
+
+    p = prompt(600)
+    engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64), enable_prefix_caching=False)
+    engine.generate([p], GREEDY)
+    engine.flush_connector()
+    events = []
+    transfers = engine.worker_connector.transfers
+    load = transfers.load
+    transfers.load = lambda pairs, layerwise: events.append(("load", len(pairs), layerwise)) or load(pairs, layerwise)
+    pack_step = runner_module.pack_step
+
+    def packed(decode, rows, prefill, *args):
+        events.append(("pack", len(decode), [s.num_tokens for s in prefill]))
+        return pack_step(decode, rows, prefill, *args)
+
+    runner_module.pack_step = packed
+    try:
+        hit = engine.generate([p], GREEDY)[0]
+    finally:
+        runner_module.pack_step = pack_step
+    assert hit.stats.num_external_loaded_tokens == 592
+    # the hit's step: 8 prompt tokens computed after 592 loaded (37 blocks, in groups of layers)
+    assert events[:2] == [("pack", 0, [8]), ("load", 37, True)]
 
 
 def test_async_stores_survive_block_reuse(cuda_engine):

@@ -31,7 +31,7 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="group_idx", kind="int", default=0, low=0, high=0,
              doc="the KV-cache group; this engine has one"),
     ExtraKey(name="layerwise", kind="bool", default=False,
-             doc="on CUDA, load and save layer by layer during the forward"),
+             doc="on CUDA, save (and load any hit) layer by layer during the forward"),
     # vLLM's name of the offloading spec; kvtool implements the CPU (+ disk) one.
     ExtraKey(name="spec_name", kind="choice", default="CPUOffloadingSpec", choices=("CPUOffloadingSpec",)),
 )

@@ -32,6 +32,9 @@ Triton kernel reads or writes the pieces straight in the pinned pool (mapped int
 address space), one launch per layer; it runs on the SMs, beside the forward. A layerwise save of
 layer l waits for the compute stream right after layer l wrote its K/V, so the copies run beside
 the layers that follow instead of after the step.
+
+A step's own inputs must reach the device before its loads are queued (the runner packs them
+first): copies to the device run in the order they were queued, whatever their streams.
 """
 
 from __future__ import annotations

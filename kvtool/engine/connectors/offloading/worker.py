@@ -6,12 +6,14 @@ for, the blocks it wrote to disk and the blocks the disk tier evicted; the sched
 its own state from that.
 
 On CPU pages every copy is synchronous. On CUDA pages (a pinned pool) the copies are queued on
-their own streams by `SlotTransfers`: loads before the forward and stores after it, running
-beside the next step, whole blocks through the copy engine; or, when `layerwise` is set, both
-layer by layer during the forward: loads as pitched copies on the copy engine (or the layer
-kernel where the driver has none), stores through the layer kernel where the device can address
-the pool (a store of layer l starts when layer l has written its K/V). The disk writer waits for
-its slot's store.
+their own streams by `SlotTransfers`. Loads of LAYER_GROUP_LOAD_MIN_BLOCKS blocks or more go in
+groups of layers as pitched copies on the copy engine, the forward's layer l waiting for its
+group only (a full hit's one-token forward runs beside the copies instead of after them);
+smaller ones go as whole blocks before the forward. Stores go as whole blocks after the forward,
+beside the next step; or, when `layerwise` is set, layer by layer through the layer kernel where
+the device can address the pool (a store of layer l starts when layer l has written its K/V),
+and then loads of any size go layerwise too (through the layer kernel where the driver has no
+pitched copy). The disk writer waits for its slot's store.
 
 Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
 `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
@@ -41,6 +43,9 @@ logger = logging.getLogger("kvtool.offloading")
 # With `layerwise`, a step's stores go layer by layer from this many engine blocks up; smaller
 # ones are not worth two kernel launches per layer and an eager forward.
 LAYERWISE_MIN_BLOCKS = 32
+# Loads of this many engine blocks or more go in groups of layers (the copies then hide the
+# forward); below it the copies take about as long as their launches and events.
+LAYER_GROUP_LOAD_MIN_BLOCKS = 32
 
 
 class OffloadingWorker(WorkerHalf):
@@ -169,10 +174,14 @@ class OffloadingWorker(WorkerHalf):
         self._layerwise_step = False
         self._plan_layer_saves()
         if pairs:
-            # Layer by layer through pitched copies on the copy engine, or through the layer kernel
-            # where the driver has no pitched copy; whole blocks otherwise.
+            # In groups of layers through pitched copies on the copy engine (large loads, or any
+            # with `layerwise`), or layer by layer through the layer kernel where the driver has
+            # no pitched copy and `layerwise` is set; whole blocks otherwise.
             t = self.transfers
-            layerwise = self.layerwise and (t.can_copy_rows() or t.can_copy_layerwise())
+            if t.can_copy_rows():
+                layerwise = self.layerwise or len(pairs) >= LAYER_GROUP_LOAD_MIN_BLOCKS
+            else:
+                layerwise = self.layerwise and t.can_copy_layerwise()
             t.load(pairs, layerwise)
             self._layerwise_step = layerwise
 
