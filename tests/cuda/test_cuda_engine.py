@@ -186,6 +186,33 @@ def test_a_steps_inputs_reach_the_device_before_its_loads_are_queued(cuda_engine
     assert events[:2] == [("pack", 0, [8]), ("load", 37, True)]
 
 
+def test_hits_compile_no_kernel_inside_a_request(cuda_engine):
+    """Start-up compiles every kernel a hit runs, with and without the layer hooks of loads in
+    groups of layers: a first hit that compiles takes seconds instead of milliseconds."""
+    import triton
+
+    engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64), enable_prefix_caching=False)
+    compiled = []
+
+    def hook(*args, **kwargs):
+        compiled.append(getattr(kwargs.get("fn"), "name", repr(kwargs.get("fn"))))
+        return False
+
+    runtime = triton.knobs.runtime
+    before = runtime.jit_cache_hook
+    runtime.jit_cache_hook = hook
+    try:
+        p = prompt(600)
+        engine.generate([p], GREEDY)
+        engine.flush_connector()
+        full = engine.generate([p[:593]], GREEDY)[0]  # 592 tokens loaded, the last one computed
+        partial = engine.generate([p], GREEDY)[0]  # 592 loaded, 8 computed
+    finally:
+        runtime.jit_cache_hook = before
+    assert (full.stats.num_external_loaded_tokens, partial.stats.num_external_loaded_tokens) == (592, 592)
+    assert compiled == []
+
+
 def test_async_stores_survive_block_reuse(cuda_engine):
     """Requests of one output token free their blocks at once, and the next prompt's prefill
     writes into them while the store of the previous prompt may still be reading: the stored
