@@ -256,11 +256,13 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
     qkv = linear(x, self.qkv_weight, self.qkv_bias)
     q_norm = getattr(self, "q_norm", None)
     k_norm = getattr(self, "k_norm", None)
-    # The new K/V go straight into the pages from the rope kernel, unless a connector's layer
-    # hooks run around this layer's attention (they must see the pages before the store).
+    # The new K/V go straight into the pages from the rope kernel; a connector's layer hook runs
+    # first (a layerwise load of this layer lands before the store) and after the attention.
     meta = current_metadata()
     db = meta.device_batch
-    into_pages = db is not None and meta.hooks is None
+    into_pages = db is not None
+    if into_pages and meta.hooks is not None:
+        meta.hooks.before_layer(self.layer_idx)
     q, k, v = qkv_norm_rope(
         qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,

@@ -64,16 +64,6 @@ class _ConnectorLayerHooks:
         self.worker.save_kv_layer(layer)
 
 
-class _WarmUpHooks:
-    """Layer hooks that do nothing: the start-up prefills of a connector's hit shapes use them."""
-
-    def before_layer(self, layer: int) -> None:
-        pass
-
-    def after_layer(self, layer: int) -> None:
-        pass
-
-
 @dataclass(slots=True)
 class _RequestState:
     """What the runner keeps of one request between steps (its own copy, built from messages)."""
@@ -242,13 +232,9 @@ class ModelRunner:
         # The projections' output widths (the LM head sees the sampled rows alone).
         widths = {p.shape[0] for name, p in self.model.named_parameters()
                   if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
-        # The hit shapes run a second time with layer hooks, as a step with layerwise loads runs
-        # them (the new K/V are then stored by a kernel of their own).
-        hooked = _WarmUpHooks() if self.connector is not None else None
-        shapes = [(1, bs, None), (bs + 1, bs, None), (1, bs, hooked), (bs + 1, bs, hooked)]
-        shapes += [(rows, 0, None) for rows in warm_up_rows(widths, num_sms)]
+        shapes = [(1, bs), (bs + 1, bs)] + [(rows, 0) for rows in warm_up_rows(widths, num_sms)]
         no_decode = decode_rows([], [], bs)
-        for rows, prefix, hooks in shapes:
+        for rows, prefix in shapes:
             blocks = -(-(prefix + rows) // bs)
             if blocks > self.kv_pages.num_blocks:
                 continue
@@ -256,7 +242,7 @@ class ModelRunner:
             step = pack_step([], no_decode, [s], [np.arange(blocks, dtype=np.int32)], bs, self.device,
                              self.num_splits_for(0, self.max_context), self.batch_invariant)
             meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
-                                     device_batch=step.batch, hooks=hooks)
+                                     device_batch=step.batch)
             with attention_context(meta), self._row_invariant(True):
                 hidden = self.model(step.input_ids, step.positions)
             with self._row_invariant(self.batch_invariant):

@@ -74,9 +74,9 @@ def attend(
     """Store k/v of the new tokens, attend, return [T, Hq * D].
 
     `kv_stored`: the caller already wrote k/v into the pages at the step's slots (the CUDA rope
-    kernel does, when no layer hooks run)."""
+    kernel does), after calling the layer's `before_layer` hook itself."""
     meta = current_metadata()
-    if meta.hooks is not None:
+    if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
         out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored)
