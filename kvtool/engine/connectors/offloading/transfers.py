@@ -15,7 +15,8 @@ Ordering (one compute stream, one load stream with its copy stream, one store st
 
 * loads wait for the compute stream (earlier readers of the destination blocks) and for the
   stores already queued (a slot being filled may be loaded in the next step); the compute
-  stream then waits for the loads: all at once, or layer by layer when loading layerwise;
+  stream then waits for the loads: all at once, or layer l for its group of layers when
+  loading layerwise (every load of LAYER_GROUP_LOAD_MIN_BLOCKS blocks or more, `worker`);
 * stores wait for the compute stream (the forward that wrote the blocks) and run beside the
   next step; a step that writes a block a store still reads waits for that store first
   (`order_page_writes`), and so do host readers of a slot (the disk writer).
