@@ -44,8 +44,8 @@ logger = logging.getLogger("kvtool.offloading")
 # ones are not worth two kernel launches per layer and an eager forward.
 LAYERWISE_MIN_BLOCKS = 32
 # Loads of this many engine blocks or more go in groups of layers (the copies then hide the
-# forward: A/B against whole blocks on Qwen3-8B from 8k tokens up); smaller ones stay whole blocks, the same
-# threshold as layerwise saves (not measured on its own).
+# forward: A/B against whole blocks on Qwen3-8B from 8k tokens up); smaller ones stay whole
+# blocks, the same threshold as layerwise saves (not measured on its own).
 LAYER_GROUP_LOAD_MIN_BLOCKS = 32
 
 
