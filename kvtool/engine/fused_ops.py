@@ -252,10 +252,27 @@ def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     return _project_out(self.down_proj, silu_mul(linear(x, self.gate_up_weight)))
 
 
+def qkv_projection(attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
+    """q, k and v of x [T, hidden] in one GEMM: [T, (Hq + 2 Hkv) * D]."""
+    return linear(x, attn.qkv_weight, attn.qkv_bias)
+
+
+def rotate_qkv(
+    attn: LlamaAttention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    pages: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_norm_rope` with the layer's heads and q/k norms; k/v also into `pages` at `slots` when given."""
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return qkv_norm_rope(
+        qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+        q_norm.eps if q_norm is not None else 0.0, pages=pages, layer=attn.layer_idx, slots=slots,
+    )
+
+
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    qkv = linear(x, self.qkv_weight, self.qkv_bias)
-    q_norm = getattr(self, "q_norm", None)
-    k_norm = getattr(self, "k_norm", None)
+    qkv = qkv_projection(self, x)
     # The new K/V go straight into the pages from the rope kernel; a connector's layer hook runs
     # first (a layerwise load of this layer lands before the store) and after the attention.
     meta = current_metadata()
@@ -263,14 +280,34 @@ def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.T
     into_pages = db is not None
     if into_pages and meta.hooks is not None:
         meta.hooks.before_layer(self.layer_idx)
-    q, k, v = qkv_norm_rope(
-        qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-        q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-        q_norm.eps if q_norm is not None else 0.0,
-        pages=meta.kv_pages.tensor if into_pages else None, layer=self.layer_idx,
-        slots=db.slot_mapping if into_pages else None,
-    )
+    q, k, v = rotate_qkv(self, qkv, cos, sin, meta.kv_pages.tensor if into_pages else None,
+                         db.slot_mapping if into_pages else None)
     return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
+
+
+def decoder_input(model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused decoder before its first layer: (embeddings h, the first layer's normed input x,
+    cos, sin), [T, hidden] x2 and [T, D] x2."""
+    h = model.embed_tokens(input_ids)
+    cos, sin = model.rotary_emb(positions, h.dtype)
+    first = model.layers[0].input_layernorm
+    return h, rms_norm(h, first.weight, first.eps), cos, sin
+
+
+def layer_output(model: DecoderModel, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i after its attention block (attn_out: the block's output [T, hidden], o_proj
+    applied): the residual adds, each fused into the RMSNorm after it, and the MLP. Returns (the
+    residual stream h, the next layer's normed input x or, after the last layer, the final norm)."""
+    layers = model.layers
+    post = layers[i].post_attention_layernorm
+    h, x = add_rms_norm(h, attn_out, post.weight, post.eps)
+    after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+    return add_rms_norm(h, layers[i].mlp(x), after.weight, after.eps)
+
+
+def attention_output(attn: LlamaAttention, out: torch.Tensor) -> torch.Tensor:
+    """o_proj of the attention's rows out [T, Hq, D] (a row-parallel one all-reduced)."""
+    return _project_out(attn.o_proj, out.reshape(out.shape[0], -1))
 
 
 def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -279,16 +316,9 @@ def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, position
     layers' own norms and the final one): two kernels fewer per layer, the same rounding.
     Every row is computed: `rows` (DecoderModel's sampled-rows path) is for the CPU only."""
     assert rows is None, "the fused CUDA decoder computes every row"
-    h = self.embed_tokens(input_ids)
-    cos, sin = self.rotary_emb(positions, h.dtype)
-    layers = self.layers
-    first = layers[0].input_layernorm
-    x = rms_norm(h, first.weight, first.eps)
-    for i, layer in enumerate(layers):
-        post = layer.post_attention_layernorm
-        h, x = add_rms_norm(h, layer.self_attn(x, cos, sin), post.weight, post.eps)
-        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-        h, x = add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
+    h, x, cos, sin = decoder_input(self, input_ids, positions)
+    for i, layer in enumerate(self.layers):
+        h, x = layer_output(self, i, h, layer.self_attn(x, cos, sin))
     return x
 
 
@@ -321,6 +351,7 @@ def apply_fused_ops(model: nn.Module) -> int:
             module.logits_linear = linear
         elif isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
             module.forward = types.MethodType(_fused_decoder_forward, module)
+            module.fused_decoder = True  # its pieces (`decoder_input`, `layer_output`) serve prefill_graphs
         elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rms_forward, module)
         elif isinstance(module, GatedMLP):

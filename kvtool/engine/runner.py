@@ -5,8 +5,9 @@ Two ways to run the forward, picked once from data (`attention.select_backend`):
 * reference (CPU, or CUDA without bf16/fp16 + Triton): per-sequence metadata, eager forward;
 * cuda: the step's index tensors are packed into one int32 host array and copied in with one
   host-to-device copy; decode sequences (one new token each) come first. A step made only of
-  decode sequences replays a captured CUDA graph when the connector has no per-layer work;
-  anything else runs eagerly through the same kernels.
+  decode sequences replays a captured CUDA graph when the connector has no per-layer work; a
+  step of one prompt token alone (a full hit) replays graphs around its eager attention
+  (`prefill_graphs`), hooks or not; anything else runs eagerly through the same kernels.
 
 Sampling (`sampler.sample_on_device`) runs on the logits' device and leaves the token ids
 there; a seeded draw is reproducible whatever the batch and the device.
@@ -190,6 +191,7 @@ class ModelRunner:
         geometry = kv_pages.geometry
         self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
+        self.prefill_graphs = None  # a step of one prompt token alone (`prefill_graphs`), with `graphs`
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
@@ -220,6 +222,11 @@ class ModelRunner:
         self._warm_up_prefill(num_sms)
         if self.graphs is not None:
             self.graphs.capture_all()
+            from kvtool.engine import prefill_graphs
+
+            if prefill_graphs.supports(self.model):
+                self.prefill_graphs = prefill_graphs.OneTokenPrefillGraphs(self.model, self.kv_pages)
+                self.prefill_graphs.capture()
 
     def _warm_up_prefill(self, num_sms: int) -> None:
         """Run a few prefills once, so that their Triton kernels compile now rather than inside a
@@ -420,8 +427,11 @@ class ModelRunner:
         )
         self._order_page_writes(step.written_blocks)
         invariant = self.batch_invariant
-        with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
-            hidden = self.model(step.input_ids, step.positions)
+        if self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1:
+            hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)
+        else:
+            with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
+                hidden = self.model(step.input_ids, step.positions)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
             return None

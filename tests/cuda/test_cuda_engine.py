@@ -95,6 +95,33 @@ def test_graph_decode_with_padding_rows(cuda_engine):
                 break
 
 
+def test_one_token_prefill_steps_replay_graphs_with_the_eager_bits(cuda_engine):
+    """A full hit's last token (a local prefix-cache hit; a CPU-tier hit in groups of layers,
+    whose layer hooks run between the graphs) replays the one-token prefill graphs around its
+    eager attention, and gets the token and logprobs of the eager forward of an engine without
+    graphs."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    p = prompt(593)
+    runs = []
+    for graphs, ktc in ((False, None), (True, None), (True, offload_config(num_cpu_blocks=64))):
+        extra = {"kv_transfer_config": ktc, "enable_prefix_caching": False} if ktc else {}
+        engine = cuda_engine(graphs=graphs, **extra)
+        assert (engine.runner.prefill_graphs is not None) is graphs
+        engine.generate([p], sp)
+        if ktc is not None:
+            engine.flush_connector()
+        hit = engine.generate([p], sp)[0]
+        loaded = hit.stats.num_external_loaded_tokens if ktc is not None else hit.stats.num_cached_tokens
+        assert loaded == 592
+        if graphs:
+            assert engine.runner.prefill_graphs.replays == 1
+        runs.append(hit)
+    eager, local, tier = runs
+    assert local.output_token_ids == eager.output_token_ids
+    assert local.logprobs[0] == eager.logprobs[0]  # the token the graphs computed
+    assert (tier.output_token_ids, tier.logprobs) == (local.output_token_ids, local.logprobs)
+
+
 def test_fast_path_logprobs_close_to_reference(cuda_engine):
     """Same bf16 weights: Triton/cuDNN/varlen kernels against the reference backend's SDPA."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)

@@ -1,7 +1,7 @@
 """Full hits on CUDA: Qwen3-0.6B's shapes in bf16 with random weights. A prompt whose every
 offload block is in the CPU or disk tier loads them all and computes its last token alone,
-through the prefill kernels (a prompt row, never the decode path), so tokens and logprobs are
-exactly the cold run's. Skipped without CUDA.
+through the prefill kernels (a prompt row, never the decode path; replayed from the one-token
+prefill graphs), so tokens and logprobs are exactly the cold run's. Skipped without CUDA.
 """
 
 import json
@@ -70,10 +70,12 @@ def test_full_hit_computes_the_last_token_alone_with_the_cold_bits(tmp_path, blo
 
     def check_full_hits(engine):
         steps, restore = _record_steps(engine)
+        replays = engine.runner.prefill_graphs.replays
         try:
             hits = [engine.generate([p], sp)[0] for p in prompts]
         finally:
             restore()
+        assert engine.runner.prefill_graphs.replays == replays + len(prompts)  # the one-token graphs
         assert [r.stats.num_external_tokens for r in hits] == [len(p) - 1 for p in prompts]
         assert [r.stats.num_external_loaded_tokens for r in hits] == [len(p) for p in prompts]
         for r, p in zip(hits, prompts):

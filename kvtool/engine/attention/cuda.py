@@ -20,17 +20,18 @@ from kvtool.engine.attention.triton_tiles import paged_decode_tiles
 
 def cuda_attention(
     meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-    kv_stored: bool = False,
+    kv_stored: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
-    Returns [T, Hq, D]."""
+    Returns [T, Hq, D]: `out` when given, else a new tensor."""
     db = meta.device_batch
     pages = meta.kv_pages.tensor
     if not kv_stored:
         triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
     nd = db.num_decode
     p = db.prefill
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if nd and db.tile_base is not None:
         paged_decode_tiles(
             q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
