@@ -45,6 +45,7 @@ from kvtool.engine.messages import (
     SchedulerOutput,
 )
 from kvtool.engine.params import SamplingParams
+from kvtool.engine.pinned_staging import PinnedStaging
 from kvtool.engine.sampler import SampleRow, sample_on_device
 
 MAX_GRAPH_BATCH = 512
@@ -192,6 +193,7 @@ class ModelRunner:
         self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
         self.prefill_graphs = None  # a step of one prompt token alone (`prefill_graphs`), with `graphs`
+        self.staging = PinnedStaging() if device.type == "cuda" else None  # the packed steps' host side
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
@@ -402,6 +404,7 @@ class ModelRunner:
         return pack_step(
             plan.decode, plan.rows, plan.prefill, [self._block_table(s) for s in plan.prefill], self.block_size,
             self.device, self.num_splits_for(len(plan.decode), self.max_context), self.batch_invariant,
+            self.staging,
         )
 
     def _run_cuda(self, plan: _CudaStep) -> SampledTokens | None:
@@ -539,6 +542,7 @@ def pack_step(
     device: torch.device,
     num_splits: int,
     tiles: bool = False,
+    staging: PinnedStaging | None = None,
 ) -> PackedStep:
     """Pack the decode sequences' rows (from `decode_rows`) and the prefill sequences into one int32 host array,
     copy it to the device once, and return views of it.
@@ -547,6 +551,8 @@ def pack_step(
     cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows |
     decode launch order [B] | first tile slot of each decode row [B] (only with `tiles`: the
     batch-invariant decode kernel's).
+
+    The array goes through `staging`'s pinned buffers when given, else through a new pinned copy.
     """
     bs = block_size
     nd, width = rows.shape[0], rows.shape[1] - 4
@@ -578,7 +584,10 @@ def pack_step(
     host = np.zeros(int(starts[-1]), dtype=np.int32)
     for f, at in zip(flat, starts):
         host[at : at + len(f)] = f
-    dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
+    if staging is not None:
+        dev = staging.to_device(host, device)
+    else:
+        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
     views = [dev[at : at + len(f)] for f, at in zip(flat, starts)]
     d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order, d_bases = views
     pre = None

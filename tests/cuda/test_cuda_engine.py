@@ -387,3 +387,23 @@ def test_seeded_sampling_is_reproducible_on_the_device(cuda_engine):
     unseeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
     assert cuda_engine(seed=7).generate([p], unseeded)[0].output_token_ids == \
         cuda_engine(seed=7).generate([p], unseeded)[0].output_token_ids
+
+
+def test_pinned_staging_never_overwrites_inputs_still_to_be_copied():
+    """Steps queued back to back behind device work (async scheduling) each get their own inputs
+    on the device, through two reused pinned buffers that grow as steps do."""
+    import numpy as np
+
+    from kvtool.engine.pinned_staging import MIN_INT32, PinnedStaging
+
+    staging = PinnedStaging()
+    busy = torch.randn(4096, 4096, device="cuda")
+    sent = []
+    for i, n in enumerate((10, 3 * MIN_INT32, 7, 5 * MIN_INT32, 12)):
+        busy = busy @ busy  # keeps the stream busy, so copies queue up behind it
+        host = np.full(n, i, dtype=np.int32)
+        host[0] = n
+        sent.append((host, staging.to_device(host, torch.device("cuda"))))
+    torch.cuda.synchronize()
+    for host, dev in sent:
+        assert np.array_equal(dev.cpu().numpy(), host)
