@@ -10,8 +10,8 @@ Sections:
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
               without `layerwise`; cold prefills storing to the tier with and without layerwise saves
   hit-layers  Qwen3-8B full hits at 8k/16k/24k/32k, whole-block loads against loads in groups of
-              layers (pitched copies, the default), two alternating passes each: TTFT and the host
-              time of the step's forward
+              layers (pitched copies, the default) with the one-token step eager and from its
+              graphs (the default), two alternating passes each: TTFT and the host time of the step
   decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
@@ -339,7 +339,11 @@ def section_hit_layers():
 
     runner._run_cuda = timed
     engine.generate([tokens(512, 99)], one)
-    arms = {"whole blocks": 1 << 62, "layer groups": group_min}
+    # (load threshold, one-token prefill graphs): whole-block loads, layer groups with an eager
+    # one-token forward, layer groups with the graphs (the default).
+    graphs = runner.prefill_graphs
+    arms = {"whole blocks": (1 << 62, graphs), "layer groups, eager forward": (group_min, None),
+            "layer groups": (group_min, graphs)}
     for n in ((8192,) if QUICK else (8192, 16384, 24576, 32768)):
         p = tokens(n + 1, 1000 + n)
         expected = engine.generate([p], one)[0].output_token_ids
@@ -347,7 +351,7 @@ def section_hit_layers():
         ttft: dict[str, list[float]] = {arm: [] for arm in arms}
         host: dict[str, list[float]] = {arm: [] for arm in arms}
         for arm in [*arms, *arms]:
-            worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS = arms[arm]
+            worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS, runner.prefill_graphs = arms[arm]
             for rep in range(5):
                 host_ms.clear()
                 r = engine.generate([p], one)[0]
@@ -360,7 +364,7 @@ def section_hit_layers():
                    statistics.median(ttft[arm]), "ms", None, runs_ms=[round(t, 2) for t in ttft[arm]],
                    forward_host_ms=round(statistics.median(host[arm]), 2),
                    layers_per_copy=worker.transfers.layers_per_copy)
-    worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS = group_min
+    worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS, runner.prefill_graphs = group_min, graphs
     engine.close()
 
 
