@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import array
 import itertools
 import time
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from kvtool import __version__
@@ -34,6 +36,24 @@ Progress = Callable[[str, float], None]
 
 # How long step() waits when every waiting request waits for an asynchronous connector lookup.
 LOOKUP_POLL_S = 0.001
+
+
+def token_id_list(ids: Sequence[int]) -> tuple[list[int], int, int]:
+    """(the prompt as a list of Python ints, its smallest id, its largest). A list or tuple of
+    integers of any kind (int, bool, NumPy's) goes through one C array, which also gives min and
+    max in C: about half the time of int() on every id of a long prompt. Anything else (a float
+    or a string of digits among the ids, an id past 64 bits, another kind of sequence) goes
+    through int() on every id, as it always did."""
+    if isinstance(ids, (list, tuple)):
+        try:
+            packed = array.array("q", ids)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            values = np.frombuffer(packed, dtype=np.int64)
+            return packed.tolist(), int(values.min()), int(values.max())
+    token_ids = list(map(int, ids))
+    return token_ids, min(token_ids), max(token_ids)
 
 
 class LLMEngine:
@@ -219,9 +239,8 @@ class LLMEngine:
         if n == 0:
             raise InputError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        token_ids = list(map(int, prompt_token_ids))
-        # min and max run in C: a third of the time of a loop for long prompts; the loop names the id.
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
+        token_ids, lowest, highest = token_id_list(prompt_token_ids)
+        if lowest < 0 or highest >= vocab:  # the loop only names the id
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise InputError(f"token id {bad} is out of range for a vocabulary of {vocab}")
         if n >= self.max_model_len:
