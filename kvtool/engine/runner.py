@@ -193,7 +193,7 @@ class ModelRunner:
         self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
         self.graphs = None
         self.prefill_graphs = None  # a step of one prompt token alone (`prefill_graphs`), with `graphs`
-        self.staging = PinnedStaging() if device.type == "cuda" else None  # the packed steps' host side
+        self.staging = PinnedStaging(torch.int32) if device.type == "cuda" else None  # the packed steps' host side
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs

@@ -394,12 +394,12 @@ def test_pinned_staging_never_overwrites_inputs_still_to_be_copied():
     on the device, through two reused pinned buffers that grow as steps do."""
     import numpy as np
 
-    from kvtool.engine.pinned_staging import MIN_INT32, PinnedStaging
+    from kvtool.engine.pinned_staging import MIN_ITEMS, PinnedStaging
 
-    staging = PinnedStaging()
+    staging = PinnedStaging(torch.int32)
     busy = torch.randn(4096, 4096, device="cuda")
     sent = []
-    for i, n in enumerate((10, 3 * MIN_INT32, 7, 5 * MIN_INT32, 12)):
+    for i, n in enumerate((10, 3 * MIN_ITEMS, 7, 5 * MIN_ITEMS, 12)):
         busy = busy @ busy  # keeps the stream busy, so copies queue up behind it
         host = np.full(n, i, dtype=np.int32)
         host[0] = n

@@ -47,6 +47,7 @@ import torch
 
 from kvtool.engine.connectors.offloading import pitched_copy
 from kvtool.engine.kv_pages import KVPages
+from kvtool.engine.pinned_staging import PinnedStaging
 
 STAGING_BYTES = 64 << 20  # one of two device staging buffers for loads into scattered blocks
 # Layerwise loads copy rows of at least this many bytes (whole layers' pieces of a block): on an
@@ -143,10 +144,9 @@ class SlotTransfers:
         # Layers per pitched copy in layerwise loads: rows of that many layers' pieces.
         piece_bytes = g.bytes_per_block // (2 * g.num_layers)
         self.layers_per_copy = max(1, min(g.num_layers, -(-LOAD_ROW_BYTES // piece_bytes)))
-        # Index tensors go to the device through one pinned buffer, grown as needed (pinning a
-        # fresh one per load costs milliseconds on the load's critical path).
-        self._index_host: torch.Tensor | None = None
-        self._index_sent: torch.cuda.Event | None = None
+        # Index tensors go to the device through reused pinned buffers (pinning a fresh one per
+        # load costs milliseconds on the load's critical path).
+        self._index_staging = PinnedStaging(torch.int64)
 
     # ---- loads ---------------------------------------------------------------------------------
 
@@ -219,20 +219,8 @@ class SlotTransfers:
             compute.wait_event(self.load_end)
 
     def _device_index(self, values: np.ndarray) -> torch.Tensor:
-        """`values` (int64) on the device, copied on the current stream through the pinned buffer
-        once the previous copy out of it is done."""
-        n = values.size
-        if self._index_sent is not None:
-            self._index_sent.synchronize()
-        if self._index_host is None or self._index_host.numel() < n:
-            self._index_host = torch.empty(max(n, 2 * (0 if self._index_host is None else self._index_host.numel()), 4096),
-                                           dtype=torch.int64).pin_memory()
-        host = self._index_host[:n]
-        host.numpy()[:] = values.reshape(-1)
-        index = host.to(self.pages.device, non_blocking=True).view(values.shape)
-        self._index_sent = torch.cuda.Event()
-        self._index_sent.record()
-        return index
+        """`values` (int64) on the device, copied on the current stream through reused pinned buffers."""
+        return self._index_staging.to_device(values, self.pages.device)
 
     def _staging_blocks(self) -> int:
         return max(1, STAGING_BYTES // self.block_bytes)
