@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 
+from kvtool.engine.block_hash_memo import BlockHashMemo
 from kvtool.engine.block_pool import BlockPool
 from kvtool.engine.connectors.base import SchedulerHalf
 from kvtool.engine.errors import KVToolError
@@ -58,6 +59,7 @@ class Scheduler:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         # Block hashes are needed for the prefix cache and for connectors' keys.
         self.needs_block_hashes = enable_prefix_caching or connector is not None
+        self.hash_memo = BlockHashMemo(block_size, none_hash) if self.needs_block_hashes else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -78,8 +80,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if self.needs_block_hashes:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, self.none_hash, req.cache_salt)
+        if self.hash_memo is not None:
+            req.block_hashes.extend(self.hash_memo.prompt_hashes(req.all_token_ids, req.cache_salt))
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats.num_requests += 1
