@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_MODEL_NAME", "LLMEngine", "identity_for_model", "resolve_dev
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
 from kvtool.engine.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.hashing import make_none_hash
+from kvtool.engine.hashing import make_none_hash, uint32_ids
 from kvtool.engine.identity import engine_identity, identity_for_model, rank_identity, resolve_device, resolve_dtype
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.messages import KVConnectorOutput
@@ -45,13 +45,14 @@ def token_id_list(ids: Sequence[int]) -> tuple[list[int], int, int]:
     or a string of digits among the ids, an id past 64 bits, another kind of sequence) goes
     through int() on every id, as it always did."""
     if isinstance(ids, (list, tuple)):
-        try:
-            packed = array.array("q", ids)
-        except (TypeError, OverflowError):
-            pass
-        else:
-            values = np.frombuffer(packed, dtype=np.int64)
-            return packed.tolist(), int(values.min()), int(values.max())
+        values = uint32_ids(ids)  # a real vocabulary's ids: the faster C array
+        if values is None:
+            try:
+                values = np.frombuffer(array.array("q", ids), dtype=np.int64)
+            except (TypeError, OverflowError):
+                pass
+        if values is not None:
+            return values.tolist(), int(values.min()), int(values.max())
     token_ids = list(map(int, ids))
     return token_ids, min(token_ids), max(token_ids)
 

@@ -15,6 +15,7 @@ from kvtool.engine.engine import token_id_list
     [True, np.int64(9), np.int32(4), 2],
     [1.0, 8, "12"],  # not integers: int() on each, as before
     np.array([6, 2, 11]),
+    [2**32 + 1, 5],  # past 32 bits: the 64-bit array
     [2**70, 3],  # past 64 bits: int() on each; the range check then names it
     [-4, 10],
 ])
