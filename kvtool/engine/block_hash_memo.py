@@ -55,11 +55,15 @@ class BlockHashMemo:
         self.hits = 0  # prompts that reused at least one block's hash
         self.reused_blocks = 0
 
-    def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+    def prompt_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None, values: np.ndarray | None = None,
+    ) -> list[BlockHash]:
         """A new list of the hashes of every full block of the prompt `token_ids`, as
-        `extend_block_hashes` computes them; the prompt is remembered for the next ones."""
+        `extend_block_hashes` computes them; the prompt is remembered for the next ones.
+        `values`: the same ids as a uint32 array, when the caller has one."""
         bs = self.block_size
-        values = uint32_ids(token_ids)
+        if values is None:
+            values = uint32_ids(token_ids)
         if values is None or values.size < bs:
             return extend_block_hashes([], token_ids, bs, self.none_hash, cache_salt)
         best, best_blocks = None, 0

@@ -38,23 +38,25 @@ Progress = Callable[[str, float], None]
 LOOKUP_POLL_S = 0.001
 
 
-def token_id_list(ids: Sequence[int]) -> tuple[list[int], int, int]:
-    """(the prompt as a list of Python ints, its smallest id, its largest). A list or tuple of
-    integers of any kind (int, bool, NumPy's) goes through one C array, which also gives min and
-    max in C: about half the time of int() on every id of a long prompt. Anything else (a float
-    or a string of digits among the ids, an id past 64 bits, another kind of sequence) goes
-    through int() on every id, as it always did."""
+def token_id_list(ids: Sequence[int]) -> tuple[list[int], int, int, np.ndarray | None]:
+    """(the prompt as a list of Python ints, its smallest id, its largest, the same ids as one
+    uint32 array or None). A list or tuple of integers of any kind (int, bool, NumPy's) goes
+    through one C array (uint32 for a real vocabulary's ids, else int64), which also gives min
+    and max in C: about half the time of int() on every id of a long prompt. Anything else (a
+    float or a string of digits among the ids, an id past 64 bits, another kind of sequence)
+    goes through int() on every id, as it always did."""
     if isinstance(ids, (list, tuple)):
-        values = uint32_ids(ids)  # a real vocabulary's ids: the faster C array
+        u32 = uint32_ids(ids)
+        values = u32
         if values is None:
             try:
                 values = np.frombuffer(array.array("q", ids), dtype=np.int64)
             except (TypeError, OverflowError):
                 pass
         if values is not None:
-            return values.tolist(), int(values.min()), int(values.max())
+            return values.tolist(), int(values.min()), int(values.max()), u32
     token_ids = list(map(int, ids))
-    return token_ids, min(token_ids), max(token_ids)
+    return token_ids, min(token_ids), max(token_ids), None
 
 
 class LLMEngine:
@@ -240,7 +242,7 @@ class LLMEngine:
         if n == 0:
             raise InputError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        token_ids, lowest, highest = token_id_list(prompt_token_ids)
+        token_ids, lowest, highest, u32 = token_id_list(prompt_token_ids)
         if lowest < 0 or highest >= vocab:  # the loop only names the id
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise InputError(f"token id {bad} is out of range for a vocabulary of {vocab}")
@@ -275,6 +277,7 @@ class LLMEngine:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             seed=seed,
             cache_salt=cache_salt,
+            prompt_ids=u32,
             kv_transfer_params=kv_transfer_params,
         )
         if self.scheduler_connector is not None:

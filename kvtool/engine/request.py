@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
+
 from kvtool.engine.messages import PLACEHOLDER_TOKEN
 from kvtool.engine.params import SamplingParams
 
@@ -39,6 +41,7 @@ class Request:
         eos_token_ids: frozenset[int],
         seed: int = 0,
         cache_salt: str | None = None,
+        prompt_ids: np.ndarray | None = None,
         kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
@@ -50,6 +53,8 @@ class Request:
         # The request's sampling stream: its own seed, or one the engine drew for it.
         self.seed = seed
         self.cache_salt = cache_salt
+        # The prompt's ids as one uint32 array when the engine built one (the block-hash memo reads it).
+        self.prompt_ids = prompt_ids
         self.kv_transfer_params = kv_transfer_params or {}
         self.status = RequestStatus.WAITING
         # Advanced when a step is scheduled (vLLM's rule), so the next step can be scheduled

@@ -81,7 +81,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         if self.hash_memo is not None:
-            req.block_hashes.extend(self.hash_memo.prompt_hashes(req.all_token_ids, req.cache_salt))
+            req.block_hashes.extend(self.hash_memo.prompt_hashes(req.prompt_token_ids, req.cache_salt, req.prompt_ids))
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats.num_requests += 1

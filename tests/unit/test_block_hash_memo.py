@@ -72,6 +72,15 @@ def test_random_prompts_with_shared_prefixes_match_fresh_chains():
     assert memo.hits > 50
 
 
+def test_a_callers_uint32_array_gives_the_same_hashes():
+    memo = BlockHashMemo(BS, NONE_HASH)
+    doc = ids(9 * BS + 3, 7)
+    values = np.array(doc, dtype=np.uint32)
+    assert memo.prompt_hashes(doc, None, values) == fresh(doc)
+    assert memo.prompt_hashes(doc + [1] * BS, None, np.array(doc + [1] * BS, dtype=np.uint32)) == fresh(doc + [1] * BS)
+    assert memo.reused_blocks == 9
+
+
 def test_returned_lists_are_the_callers_own():
     memo = BlockHashMemo(BS, NONE_HASH)
     doc = ids(12 * BS, 6)

@@ -21,13 +21,18 @@ from kvtool.engine.engine import token_id_list
 ])
 def test_token_id_list_matches_int_on_every_id(ids):
     expected = [int(x) for x in ids]
-    got, lowest, highest = token_id_list(ids)
+    got, lowest, highest, u32 = token_id_list(ids)
     assert got == expected and (lowest, highest) == (min(expected), max(expected))
     assert all(type(x) is int for x in got)
+    # The uint32 array (the block-hash memo's key) only where every id fits one, and equal to them.
+    fits = isinstance(ids, (list, tuple)) and all(isinstance(x, (int, np.integer)) and 0 <= x < 2**32 for x in ids)
+    assert (u32 is not None) == fits
+    if fits:
+        assert u32.dtype == np.uint32 and u32.tolist() == expected
 
 
 def test_a_long_prompt_round_trips():
     rng = random.Random(3)
     ids = [rng.randrange(0, 150000) for _ in range(40000)]
-    got, lowest, highest = token_id_list(ids)
-    assert got == ids and got is not ids and (lowest, highest) == (min(ids), max(ids))
+    got, lowest, highest, u32 = token_id_list(ids)
+    assert got == ids and got is not ids and u32.tolist() == ids and (lowest, highest) == (min(ids), max(ids))
