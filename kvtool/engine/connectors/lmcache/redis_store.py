@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtool.engine.connectors.lmcache.resp_base import RespStore, logger
 from kvtool.engine.connectors.lmcache.store import Buffer
@@ -79,48 +79,28 @@ class RedisStore(RespStore):
             return []
         return self.run("EXISTS", lambda: self.exists_pipelined([k + METADATA_SUFFIX for k in keys]))
 
-    def get_many_into(
-        self,
-        items: Sequence[tuple[str, Buffer, ChunkHeader | None]],
-        on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
-        before_item: Callable[[int], None] | None = None,
-    ) -> list[ChunkHeader | KVToolError | None]:
-        """Each chunk into its buffer (see RemoteStore.get_many_into); errors are per item."""
-
-        def get_one(item: tuple[str, Buffer, ChunkHeader | None]) -> ChunkHeader | KVToolError | None:
-            key, buf, expected = item
-            target = memoryview(buf).cast("B")
-            try:
-                return self.run("GET", lambda: self._get_into(key, target, expected))
-            except KVToolError as e:
-                return e
-
-        return self.striped(items, get_one, on_result, before_item)
-
-    async def _get_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
+    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
+        """The metadata key, checked, then the payload (see the module doc)."""
         async with self.lease() as client:
-            return await self._get_with(client, key, target, expected)
-
-    async def _get_with(self, client, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
-        raw = await client.get(key + METADATA_SUFFIX)
-        if raw is None:
-            return None
-        capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
-        header = decode_metadata(raw, capacity, key)
-        if expected is not None:
-            for name in ("fmt", "dtype_code", "shape", "length"):
-                want, got = getattr(expected, name), getattr(header, name)
-                if want != got:
-                    raise KVRefused(f"chunk {key} {name}: expected {want}, found {got}")
-        payload = await client.get(key + KV_SUFFIX)
-        if payload is None:
-            # The payload was evicted (or never landed): LMCache deletes the orphan metadata.
-            await client.delete(key + METADATA_SUFFIX)
-            return None
-        if len(payload) != header.length:
-            raise PeerError(f"chunk {key} payload is {len(payload)} bytes, its metadata says {header.length}")
-        target[: header.length] = payload
-        return header
+            raw = await client.get(key + METADATA_SUFFIX)
+            if raw is None:
+                return None
+            capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
+            header = decode_metadata(raw, capacity, key)
+            if expected is not None:
+                for name in ("fmt", "dtype_code", "shape", "length"):
+                    want, got = getattr(expected, name), getattr(header, name)
+                    if want != got:
+                        raise KVRefused(f"chunk {key} {name}: expected {want}, found {got}")
+            payload = await client.get(key + KV_SUFFIX)
+            if payload is None:
+                # The payload was evicted (or never landed): LMCache deletes the orphan metadata.
+                await client.delete(key + METADATA_SUFFIX)
+                return None
+            if len(payload) != header.length:
+                raise PeerError(f"chunk {key} payload is {len(payload)} bytes, its metadata says {header.length}")
+            target[: header.length] = payload
+            return header
 
     def put_many(self, items: Sequence[tuple[str, Buffer, ChunkHeader]]) -> list[bool]:
         """Store each chunk: payload first, metadata second. A failed item is logged and False."""

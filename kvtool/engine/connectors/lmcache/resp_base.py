@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from kvtool.engine.connectors.lmcache.store import StoreAddress
+from kvtool.engine.connectors.lmcache.store import Buffer, StoreAddress
+from kvtool.engine.connectors.lmcache.wire import ChunkHeader
 from kvtool.engine.errors import ConfigError, KVToolError, PeerError
 
 logger = logging.getLogger("kvtool.lmcache")
@@ -208,6 +209,28 @@ class RespStore:
         return results
 
     # -- RemoteStore operations shared by the layouts -------------------------------------------
+
+    def get_many_into(
+        self,
+        items: Sequence[tuple[str, Buffer, ChunkHeader | None]],
+        on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
+        before_item: Callable[[int], None] | None = None,
+    ) -> list[ChunkHeader | KVToolError | None]:
+        """Each chunk into its buffer (see RemoteStore.get_many_into), striped; errors are per item."""
+
+        def get_one(item: tuple[str, Buffer, ChunkHeader | None]) -> ChunkHeader | KVToolError | None:
+            key, buf, expected = item
+            target = memoryview(buf).cast("B")
+            try:
+                return self.run("GET", lambda: self.get_chunk_into(key, target, expected))
+            except KVToolError as e:
+                return e
+
+        return self.striped(items, get_one, on_result, before_item)
+
+    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
+        """One chunk of the layout into `target`: its header on a hit, None on a miss (on the loop)."""
+        raise NotImplementedError
 
     def health(self) -> bool:
         """PING under the deadline; False when unreachable, ConfigError on refused credentials."""

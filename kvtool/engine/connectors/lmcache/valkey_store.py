@@ -10,7 +10,7 @@ eviction policies can reclaim it. Valkey speaks the Redis protocol; redis-py is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtool.engine.connectors.lmcache.resp_base import RespStore
 from kvtool.engine.connectors.lmcache.store import Buffer, StoreAddress
@@ -40,25 +40,8 @@ class ValkeyStore(RespStore):
             return []
         return self.run("EXISTS", lambda: self.exists_pipelined(list(keys)))
 
-    def get_many_into(
-        self,
-        items: Sequence[tuple[str, Buffer, ChunkHeader | None]],
-        on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
-        before_item: Callable[[int], None] | None = None,
-    ) -> list[ChunkHeader | KVToolError | None]:
-        """Each full chunk into its buffer; a value of the wrong size is a miss (None)."""
-
-        def get_one(item: tuple[str, Buffer, ChunkHeader | None]) -> ChunkHeader | KVToolError | None:
-            key, buf, _ = item
-            target = memoryview(buf).cast("B")
-            try:
-                return self.run("GET", lambda: self._get_into(key, target))
-            except KVToolError as e:
-                return e
-
-        return self.striped(items, get_one, on_result, before_item)
-
-    async def _get_into(self, key: str, target: memoryview) -> ChunkHeader | None:
+    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
+        """The bare key's value; one of any size but a full chunk's is a miss (no metadata to check)."""
         async with self.lease() as client:
             value = await client.get(key)
         if value is None:
