@@ -10,9 +10,7 @@ that says how to build it.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,8 +19,7 @@ import pytest
 
 from kvtool.engine.connectors.lmcache.wire import LMClient
 from kvtool.peer import is_peer_ready, peer_env, peer_python, peer_script
-
-HOST = "127.0.0.1"
+from kvtool.workloads.local_process import HOST, free_port, stop_by_pid
 START_TIMEOUT_S = 90.0  # importing torch on a busy 2-core machine can take a while
 
 # A killed server closes its connections first, and the TIME_WAIT / FIN_WAIT2 entries they
@@ -54,13 +51,6 @@ def require_peer_python() -> Path:
             pytrace=False,
         )
     return python
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class PeerServer:
@@ -120,16 +110,9 @@ class PeerServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Kill the server by PID and wait for it. Idempotent."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            stop_by_pid(self.proc, sig)
+            self.proc = None
 
     def restart(self) -> None:
         """Kill the server hard (as a crash would) and start a new one on the same port: it is empty."""

@@ -9,9 +9,6 @@ file that a failure to start quotes.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,25 +18,9 @@ from pathlib import Path
 from kvtool.engine.connectors.lmcache.wire import LMClient, parse_lm_url
 from kvtool.engine.errors import ConfigError, PeerError
 from kvtool.peer import peer_env, peer_python
+from kvtool.workloads.local_process import HOST, free_port, stop_by_pid
 
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextlib.contextmanager
@@ -59,7 +40,7 @@ def lmcache_server(url: str | None) -> Iterator[str]:
             f"the lmcache arm needs --lmcache-url lm://HOST:PORT, or the LMCache peer environment "
             f"({python} does not exist; build it with scripts/peer-env)"
         )
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvtool-lmcache-") as tmp:
         log_path = Path(tmp) / "server.log"
         with open(log_path, "wb") as log:
@@ -71,7 +52,7 @@ def lmcache_server(url: str | None) -> Iterator[str]:
             _wait_healthy(proc, port, log_path)
             yield f"lm://{HOST}:{port}"
         finally:
-            _stop(proc)
+            stop_by_pid(proc)
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int, log_path: Path) -> None:

@@ -10,7 +10,6 @@ stopped by PID.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -21,8 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvtool.engine.errors import ConfigError, PeerError
+from kvtool.workloads import local_process
+from kvtool.workloads.local_process import HOST, stop_by_pid
 
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000
 
@@ -38,9 +38,7 @@ def redis_binary(name: str = "redis-server") -> str:
 def free_port(cluster: bool = False) -> int:
     """A free loopback port; for a cluster node, one whose bus port (port + 10000) is free too."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
+        port = local_process.free_port()
         if not cluster:
             return port
         if port + CLUSTER_BUS_OFFSET < 65536:
@@ -98,16 +96,9 @@ class RedisServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop it by PID and wait. Idempotent."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            stop_by_pid(self.proc, sig)
+            self.proc = None
 
     def restart_empty(self) -> None:
         """Kill it hard (as a crash would) and start it again on its port: it holds nothing."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from kvtool.engine.model_dir import open_model_dir
 from kvtool.engine.models import build_model, iter_dummy_tensors
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.runner import ModelRunner
+from kvtool.workloads.local_process import free_port
 from kvtool.engine.tp_layout import TPRank
 
 BLOCK_SIZE = 16
@@ -155,16 +155,10 @@ def _rank_main(rank: int, case: str, path: str, broken: list[str], port: int, ou
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(case: str, path: str, broken: list[str], out: Path) -> list[dict]:
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_rank_main, args=(case, path, broken, _free_port(), str(out)), nprocs=2,
+    ctx = mp.start_processes(_rank_main, args=(case, path, broken, free_port(), str(out)), nprocs=2,
                              join=False, start_method="spawn")
     try:
         for _ in range(JOIN_TIMEOUT_S):
