@@ -112,7 +112,7 @@ def test_tp2_interop_both_ways_with_lmcache(lmcache_server, tiny_model_dir, tmp_
     for n, got in enumerate(answer["got"]):
         r, i = divmod(n, 2)
         assert got == {"hit": True, "shape": [2, g.num_layers, CS, g.head_dim], "dtype": "float32",
-                       "fmt": "KV_2LTD", "length": 2 * g.num_layers * CS * g.head_dim * 4}
+                       "fmt": "KV_2LTD", "fmt_code": 1, "length": 2 * g.num_layers * CS * g.head_dim * 4}
         data = torch.frombuffer(bytearray((tmp_path / f"ours-{r}-{i}.bin").read_bytes()), dtype=torch.float32)
         expected = head_slice(kv_ours[:, :, i * CS : (i + 1) * CS], 2, g.head_dim, 2, r)
         assert same_bits(data.view(expected.shape), expected)
