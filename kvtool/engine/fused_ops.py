@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.attention import attend, current_metadata
-from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
+from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.parallel import RowParallelLinear
 from kvtool.engine.row_invariant_gemm import linear
@@ -322,21 +322,6 @@ def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, position
     return x
 
 
-def _concat_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
-    """Concatenate the linears' weights (or biases) along the output dim and re-point each
-    linear's parameter at its slice, so no memory is duplicated. Returns the concatenation."""
-    parts = [getattr(m, attr) for m in linears]
-    if parts[0] is None:
-        return None
-    whole = torch.cat([p.data for p in parts], dim=0)
-    at = 0
-    for m, p in zip(linears, parts):
-        n = p.shape[0]
-        setattr(m, attr, nn.Parameter(whole[at : at + n], requires_grad=False))
-        at += n
-    return whole
-
-
 def can_fuse(model: nn.Module) -> bool:
     """Whether the model's parameters are all on CUDA in bf16/fp16 (the kernels' only case)."""
     params = list(model.parameters())
@@ -355,12 +340,12 @@ def apply_fused_ops(model: nn.Module) -> int:
         elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rms_forward, module)
         elif isinstance(module, GatedMLP):
-            module.gate_up_weight = _concat_params([module.gate_proj, module.up_proj], "weight")
+            module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
             module.forward = types.MethodType(_fused_mlp_forward, module)
         elif isinstance(module, LlamaAttention) and module.head_dim % 2 == 0:
             projections = [module.q_proj, module.k_proj, module.v_proj]
-            module.qkv_weight = _concat_params(projections, "weight")
-            module.qkv_bias = _concat_params(projections, "bias")
+            module.qkv_weight = concat_linear_params(projections, "weight")
+            module.qkv_bias = concat_linear_params(projections, "bias")
             module.forward = types.MethodType(_fused_attention_forward, module)
         else:
             continue

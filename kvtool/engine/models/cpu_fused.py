@@ -17,23 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.engine.attention import attend, attend_rows
-from kvtool.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, pad_rows_on_cpu
+from kvtool.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, concat_linear_params, pad_rows_on_cpu
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.qwen3 import Qwen3Attention
-
-
-def _concat(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
-    """The linears' weights (or biases) concatenated along the output dim; each linear's
-    parameter becomes a view of its slice."""
-    parts = [getattr(m, attr) for m in linears]
-    if parts[0] is None:
-        return None
-    whole = torch.cat([p.data for p in parts], dim=0)
-    at = 0
-    for m, p in zip(linears, parts):
-        setattr(m, attr, nn.Parameter(whole[at : at + p.shape[0]], requires_grad=False))
-        at += p.shape[0]
-    return whole
 
 
 def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,12 +89,12 @@ def apply_cpu_fusion(model: nn.Module) -> None:
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_rms_forward, module)
         elif isinstance(module, GatedMLP):
-            module.gate_up_weight = _concat([module.gate_proj, module.up_proj], "weight")
+            module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
             module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, DecoderLayer) and isinstance(module.self_attn, LlamaAttention):
             module.forward_rows = types.MethodType(_layer_forward_rows, module)
         if isinstance(module, LlamaAttention):
             projections = [module.q_proj, module.k_proj, module.v_proj]
-            module.qkv_weight = _concat(projections, "weight")
-            module.qkv_bias = _concat(projections, "bias")
+            module.qkv_weight = concat_linear_params(projections, "weight")
+            module.qkv_bias = concat_linear_params(projections, "bias")
             module.forward = types.MethodType(_attention_forward, module)

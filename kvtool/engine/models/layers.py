@@ -108,6 +108,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def concat_linear_params(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """The linears' weights (or biases) concatenated along the output dim, for one fused GEMM;
+    each linear's parameter becomes a view of its slice, so no memory is duplicated."""
+    parts = [getattr(m, attr) for m in linears]
+    if parts[0] is None:
+        return None
+    whole = torch.cat([p.data for p in parts], dim=0)
+    at = 0
+    for m, p in zip(linears, parts):
+        setattr(m, attr, nn.Parameter(whole[at : at + p.shape[0]], requires_grad=False))
+        at += p.shape[0]
+    return whole
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP; at tp.size > 1 the rank's rows of gate/up (column-parallel) and the same
     columns of down (row-parallel, one all-reduce)."""
