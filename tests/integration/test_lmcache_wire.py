@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from kvtool.engine.connectors.lmcache.client import RCVLOWAT_BYTES
+from kvtool.engine.connectors.lmcache.connection import RCVLOWAT_BYTES
 from kvtool.engine.connectors.lmcache.wire import ChunkHeader, LMClient, kv_chunk_header, tensor_buffer
 from kvtool.engine.errors import KVRefused, PeerError
 from tests.peer_server import finish_client, run_lmcache_client

@@ -1,10 +1,8 @@
 """The lm:// client: a pool of connections to one LMCache server, every wait under a deadline.
 
 Each operation (EXIST, GET, PUT and its confirming EXIST, HEALTH) has one deadline for the whole
-exchange, connect included: before every send and recv the socket timeout is recomputed from a
-monotonic deadline (with several connections a large payload is read by one blocking recv under
-a kernel receive timeout set the same way), so a peer that trickles one byte every few seconds cannot stretch an
-operation past `timeout_s`. A peer that misses a deadline is unhealthy for `backoff_s`: every
+exchange, connect included, which each `connection.Connection` holds every socket call to, so a
+peer that trickles one byte every few seconds cannot stretch an operation past `timeout_s`. A peer that misses a deadline is unhealthy for `backoff_s`: every
 call in that time fails at once instead of waiting out a timeout of its own, so a silent server
 costs one timeout, not one per chunk. `close()` shuts every socket down first, so no call in
 flight outlives it.
@@ -24,7 +22,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -32,19 +29,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from kvtool.engine.connectors.lmcache.connection import Connection, describe_error
 from kvtool.engine.connectors.lmcache.protocol import (
     HEALTH_KEY,
-    RESPONSE,
     Buffer,
     ChunkHeader,
     Command,
-    Reply,
     ReplyCode,
     exist_code,
     pack_request,
     parse_lm_url,
     refuse_reply,
-    unpack_reply,
 )
 from kvtool.engine.errors import ConfigError, KVToolError, PeerError
 
@@ -57,102 +52,9 @@ PIPELINE_DEPTH = 256
 # one, and a slow connection holds no more than this many items of a wave.
 GET_WINDOW = 2
 DEFAULT_BACKOFF_S = 10.0
-# Payloads are read in pieces of at least this many bytes (SO_RCVLOWAT, lowered for a payload's
-# last piece): fewer wake-ups, polls and recv calls per payload. On the H200 host, GETs of 37 MB
-# chunks into the pages, A/B runs alternating on one engine: over one connection 2 MiB read 6-7%
-# faster than any amount (8 MiB slower than either); over four, 12.5-12.8 GB/s against 9.8 for
-# any amount and 10.7-11.0 for one blocking recv(MSG_WAITALL) per payload; 1 MiB 12.0, 4 MiB 12.7.
-RCVLOWAT_BYTES = 0 if sys.platform == "win32" else 2 << 20  # 0: any amount
-
 T = TypeVar("T")
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
-
-
-class DeadlineExceeded(socket.timeout):
-    """The operation's deadline passed (before or during a socket call)."""
-
-
-def _remaining(deadline: float) -> float:
-    """Seconds left before `deadline` (monotonic); DeadlineExceeded once it passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded("timed out")
-    return left
-
-
-class _Connection:
-    """One pool slot: a socket (connected lazily) and a reusable reply buffer.
-
-    Every call takes the operation's `deadline` (time.monotonic() seconds): the socket's
-    timeout is set to what is left of it before each blocking call.
-    """
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.sock: socket.socket | None = None
-        self.lowat = 1  # the socket's SO_RCVLOWAT
-        self.reply_buf = bytearray(RESPONSE.size)
-        self.num_requests = 0  # since connect; 0 means a failure cannot be a stale socket
-
-    def ensure(self, deadline: float) -> socket.socket:
-        if self.sock is None:
-            sock = socket.create_connection((self.host, self.port), timeout=_remaining(deadline))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are tiny
-            self.sock, self.num_requests, self.lowat = sock, 0, 1
-        return self.sock
-
-    def drop(self) -> None:
-        """Close after a failure: the stream position is unknown, so the socket is useless."""
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
-
-    def shut(self) -> None:
-        """Wake any call blocked on this socket (from another thread); `drop` closes it later."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def send(self, deadline: float, *parts: Buffer) -> None:
-        sock = self.ensure(deadline)
-        # sendall's timeout bounds the whole call (not each partial send).
-        if len(parts) > 1 and sum(memoryview(p).nbytes for p in parts) <= 65536:
-            sock.settimeout(_remaining(deadline))
-            sock.sendall(b"".join(parts))  # one segment for small messages
-        else:
-            for part in parts:
-                sock.settimeout(_remaining(deadline))
-                sock.sendall(part)
-        self.num_requests += 1
-
-    def recv_into(self, view: memoryview, deadline: float) -> None:
-        """Fill `view` exactly before `deadline`; a closed stream is an error."""
-        sock = self.sock
-        if sock is None:
-            raise ConnectionError("not connected")
-        got, n = 0, len(view)
-        while got < n:
-            left = _remaining(deadline)
-            lowat = max(1, min(RCVLOWAT_BYTES, n - got))
-            if lowat != self.lowat:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-                self.lowat = lowat
-            sock.settimeout(left)
-            k = sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise ConnectionError("connection closed by the server")
-            got += k
-
-    def recv_reply(self, deadline: float) -> Reply:
-        self.recv_into(memoryview(self.reply_buf), deadline)
-        return unpack_reply(self.reply_buf)
 
 
 class _GetItem:
@@ -198,8 +100,8 @@ class LMClient:
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         # FIFO: consecutive checkouts rotate through the pool, so stripes land on distinct sockets.
-        self._pool: queue.Queue[_Connection] = queue.Queue()
-        self._all = [_Connection(host, port) for _ in range(connections)]
+        self._pool: queue.Queue[Connection] = queue.Queue()
+        self._all = [Connection(host, port) for _ in range(connections)]
         for conn in self._all:
             self._pool.put(conn)
         self._executor: ThreadPoolExecutor | None = None
@@ -239,7 +141,7 @@ class LMClient:
                 f"{self.url}: {what} not sent: the server missed a deadline; retrying in {left:.1f} s"
             )
 
-    def _checkout(self, deadline: float, what: str) -> _Connection:
+    def _checkout(self, deadline: float, what: str) -> Connection:
         if self._closed:
             raise PeerError(f"{self.url}: client is closed")
         try:
@@ -247,7 +149,7 @@ class LMClient:
         except queue.Empty:
             raise PeerError(f"{self.url}: {what} failed: timed out waiting for a free connection") from None
 
-    def _exchange(self, conn: _Connection, what: str, exchange: Callable[[_Connection, float], T]) -> T:
+    def _exchange(self, conn: Connection, what: str, exchange: Callable[[Connection, float], T]) -> T:
         """Run one request/reply `exchange` on `conn` under one deadline; retry once if `conn` was stale."""
         self._refuse_if_backing_off(what)
         deadline = self._deadline()
@@ -272,10 +174,10 @@ class LMClient:
                 # server restarted since; a timeout says nothing of the kind, so it is not retried.
                 if attempt == 0 and reused:
                     continue
-                raise PeerError(f"{self.url}: {what} failed: {_describe(e)}") from None
+                raise PeerError(f"{self.url}: {what} failed: {describe_error(e)}") from None
         raise AssertionError("unreachable")
 
-    def _run(self, what: str, exchange: Callable[[_Connection, float], T]) -> T:
+    def _run(self, what: str, exchange: Callable[[Connection, float], T]) -> T:
         self._refuse_if_backing_off(what)
         conn = self._checkout(self._deadline(), what)
         try:
@@ -286,7 +188,7 @@ class LMClient:
     def _striped(
         self,
         items: Sequence[ItemT],
-        one: Callable[[_Connection, ItemT], ResultT],
+        one: Callable[[Connection, ItemT], ResultT],
         on_result: Callable[[int, ResultT], None] | None = None,
         before_item: Callable[[int], None] | None = None,
     ) -> list[ResultT]:
@@ -333,7 +235,7 @@ class LMClient:
     def health(self) -> bool:
         """True when the server answers HEALTH with 200 within the deadline; False otherwise."""
 
-        def exchange(conn: _Connection, deadline: float) -> bool:
+        def exchange(conn: Connection, deadline: float) -> bool:
             conn.send(deadline, pack_request(Command.HEALTH, HEALTH_KEY))
             return conn.recv_reply(deadline).code == ReplyCode.SUCCESS
 
@@ -353,7 +255,7 @@ class LMClient:
         """
         requests = [pack_request(Command.EXIST, k) for k in keys]
 
-        def exchange(conn: _Connection, deadline: float) -> list[bool]:
+        def exchange(conn: Connection, deadline: float) -> list[bool]:
             found: list[bool] = []
             for i in range(0, len(requests), PIPELINE_DEPTH):
                 batch = requests[i : i + PIPELINE_DEPTH]
@@ -386,13 +288,13 @@ class LMClient:
             self._pool.put(conn)
 
     def _put_on(
-        self, conn: _Connection, key: str, payload: Buffer, fmt: int, dtype_code: int, shape: Sequence[int]
+        self, conn: Connection, key: str, payload: Buffer, fmt: int, dtype_code: int, shape: Sequence[int]
     ) -> None:
         view = memoryview(payload).cast("B")
         header = pack_request(Command.PUT, key, view.nbytes, fmt, dtype_code, shape)
         confirm = pack_request(Command.EXIST, key)
 
-        def exchange(c: _Connection, deadline: float) -> bool:
+        def exchange(c: Connection, deadline: float) -> bool:
             c.send(deadline, header, view, confirm)
             return exist_code(c.recv_reply(deadline))
 
@@ -414,7 +316,7 @@ class LMClient:
                 raise ConfigError(f"payload of {key} is {num_bytes} bytes, its header says {header.length}")
         warned = threading.Event()
 
-        def put_one(conn: _Connection, item: tuple[str, Buffer, ChunkHeader]) -> bool:
+        def put_one(conn: Connection, item: tuple[str, Buffer, ChunkHeader]) -> bool:
             key, payload, header = item
             try:
                 self._put_on(conn, key, payload, header.fmt, header.dtype_code, header.shape)
@@ -448,7 +350,7 @@ class LMClient:
             self._pool.put(conn)
 
     def _get_on(
-        self, conn: _Connection, key: str, buf: Buffer, expected: ChunkHeader | None
+        self, conn: Connection, key: str, buf: Buffer, expected: ChunkHeader | None
     ) -> ChunkHeader | None:
         target = memoryview(buf).cast("B")
         if target.readonly:
@@ -456,7 +358,7 @@ class LMClient:
         request = pack_request(Command.GET, key)
         capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
 
-        def exchange(c: _Connection, deadline: float) -> ChunkHeader | None:
+        def exchange(c: Connection, deadline: float) -> ChunkHeader | None:
             c.send(deadline, request)
             header = refuse_reply(c.recv_reply(deadline), capacity, expected)
             if header is not None and header.length:
@@ -523,7 +425,7 @@ class LMClient:
 
     def _pipeline_gets(
         self,
-        conn: _Connection,
+        conn: Connection,
         claim: Callable[[], _GetItem | None],
         finish: Callable[[_GetItem, ChunkHeader | KVToolError | None], None],
         before_item: Callable[[int], None] | None,
@@ -578,7 +480,7 @@ class LMClient:
         window.clear()
 
     def _get_connection_failed(
-        self, conn: _Connection, item: _GetItem, window: deque[_GetItem], resend: deque[_GetItem],
+        self, conn: Connection, item: _GetItem, window: deque[_GetItem], resend: deque[_GetItem],
         error: OSError, finish: Callable[[_GetItem, ChunkHeader | KVToolError | None], None], *, sent: bool,
     ) -> None:
         """`item` failed on `conn` with `error`: drop the connection, then retry, fail or resend as `_exchange` does."""
@@ -597,7 +499,7 @@ class LMClient:
             item.retried = True  # within its own deadline
             resend.appendleft(item)
         else:
-            finish(item, PeerError(f"{self.url}: GET failed: {_describe(error)}"))
+            finish(item, PeerError(f"{self.url}: GET failed: {describe_error(error)}"))
 
     def close(self) -> None:
         """Close every connection and the stripe threads; bounded whatever the server does.
@@ -621,8 +523,3 @@ class LMClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _describe(e: OSError) -> str:
-    if isinstance(e, socket.timeout):
-        return "timed out"
-    return str(e) or type(e).__name__
