@@ -57,9 +57,9 @@ class Scheduler:
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        # Block hashes are needed for the prefix cache and for connectors' keys.
-        self.needs_block_hashes = enable_prefix_caching or connector is not None
-        self.hash_memo = BlockHashMemo(block_size, none_hash) if self.needs_block_hashes else None
+        # Block hashes are needed for the prefix cache and for connectors' keys (None: no hashes).
+        needs_block_hashes = enable_prefix_caching or connector is not None
+        self.hash_memo = BlockHashMemo(block_size, none_hash) if needs_block_hashes else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -309,7 +309,7 @@ class Scheduler:
             if lp is not None:
                 req.logprobs.append(lp)
             self.stats.num_generation_tokens += 1
-            if self.needs_block_hashes and req.num_tokens % bs == 0:
+            if self.hash_memo is not None and req.num_tokens % bs == 0:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.none_hash, req.cache_salt)
             status = self._check_stop(req, token)
             if status is not None:
