@@ -4,8 +4,8 @@ Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [
 
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
-  kernels     Triton split-KV decode (TB/s of K+V read); the Triton prefill kernel, causal and over a
-              cached prefix, beside cuDNN SDPA (TFLOP/s)
+  kernels     Triton split-KV decode (TB/s of K+V read); kvtool's prefill kernel (on Hopper the Gluon
+              one) and the Triton one, causal and over a cached prefix, beside cuDNN SDPA (TFLOP/s)
   prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
               without `layerwise`; cold prefills storing to the tier with and without layerwise saves
@@ -133,7 +133,7 @@ def section_kernels():
     from triton.testing import do_bench
 
     from kvtool.engine.attention.triton_ops import choose_num_splits, paged_decode
-    from kvtool.engine.attention.triton_prefill import prefill_attention
+    from kvtool.engine.attention.triton_prefill import prefill_attention, triton_prefill_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hq, hkv, d, bs, layers = 32, 8, 128, 16, 1
@@ -161,10 +161,12 @@ def section_kernels():
                ms=round(ms, 3))
         qt, kt = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()
         cu = torch.tensor([0, n], device="cuda", dtype=torch.int32)
-        ms = do_bench(lambda: prefill_attention(qt, kt, kt, cu, cu, n, d**-0.5), warmup=20, rep=200,
-                      return_mode="median")
-        record("kernels", f"Triton prefill causal S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
-               ms=round(ms, 3))
+        out = torch.empty_like(qt)
+        for name, kernel in (("kvtool", prefill_attention), ("Triton", triton_prefill_attention)):
+            ms = do_bench(lambda: kernel(qt, kt, kt, cu, cu, n, d**-0.5, out), warmup=20, rep=200,
+                          return_mode="median")
+            record("kernels", f"{name} prefill causal S={n} (GQA 32/8)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+                   ms=round(ms, 3))
     # prefill over a cached prefix: 4 sequences of 2k queries over 8k keys
     qv = torch.randn((4 * 2048, 32, 128), device="cuda", dtype=torch.bfloat16)
     kv = torch.randn((4 * 8192, 8, 128), device="cuda", dtype=torch.bfloat16)
@@ -173,7 +175,7 @@ def section_kernels():
     ms = do_bench(lambda: prefill_attention(qv, kv, kv, cu_q, cu_k, 2048, d**-0.5), warmup=20, rep=200,
                   return_mode="median")
     flop = 4 * 2 * 32 * 128 * 2048 * (8192 - 1024) * 2  # QK^T + PV over the visible keys
-    record("kernels", "Triton prefill over a prefix, 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+    record("kernels", "kvtool prefill over a prefix, 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
            ms=round(ms, 3))
 
 

@@ -146,8 +146,9 @@ def test_prefill_kernel_against_sdpa_and_its_own_tails(hq, hkv, d):
 
 
 def test_prefill_kernel_reads_the_same_bits_through_tma_and_pointers(monkeypatch):
-    """On Hopper the kernel loads its tiles through TMA descriptors, whose tiles run past a
-    sequence's keys into the next one's; its rows must be the pointer loads' bits."""
+    """From Hopper on, the Triton kernel (which runs where the Hopper kernel does not) loads its
+    tiles through TMA descriptors, whose tiles run past a sequence's keys into the next one's; its
+    rows must be the pointer loads' bits."""
     from kvtool.engine.attention import triton_prefill as tp
 
     if torch.cuda.get_device_capability(DEV)[0] < 9:
@@ -165,15 +166,50 @@ def test_prefill_kernel_reads_the_same_bits_through_tma_and_pointers(monkeypatch
     outs = {}
     for tma in (True, False):
         monkeypatch.setitem(tp._tma_devices, index, tma)
-        outs[tma] = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5)
+        outs[tma] = tp.triton_prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5, torch.empty_like(q))
     assert torch.equal(outs[True], outs[False])
     # A full hit's one computed row, over its sequence's keys alone, either way.
     last = slice(sum(k_lens[:-1]), sum(k_lens))
     cu_one, cu_keys = (torch.tensor([0, n], dtype=torch.int32, device=DEV) for n in (1, k_lens[-1]))
     for tma in (True, False):
         monkeypatch.setitem(tp._tma_devices, index, tma)
-        row = tp.prefill_attention(q[-1:], k[last], v[last], cu_one, cu_keys, 1, d**-0.5)
+        row = tp.triton_prefill_attention(q[-1:], k[last], v[last], cu_one, cu_keys, 1, d**-0.5,
+                                          torch.empty_like(q[-1:]))
         assert torch.equal(row, outs[True][-1:]), tma
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_prefill_kernel_on_packed_sequences(d):
+    """The Gluon kernel that runs prefill rows on Hopper: close to float64 attention on every
+    packed sequence (lengths around its 64-row halves and 128-key tiles, q a slice of a fused
+    projection, a full hit's one row over 5000 keys), and each row's bits those of the same row
+    computed alone, with one consumer warpgroup (64 rows or fewer) or two."""
+    from kvtool.engine.attention import triton_prefill as tp
+
+    probe = torch.empty((1, 1, d), dtype=torch.bfloat16, device=DEV)
+    if tp._hopper_kernel(probe) is None:
+        pytest.skip("the Hopper kernel needs compute capability 9.0 and Triton 3.6")
+    hq, hkv = 32, 8
+    q_lens, k_lens = (300, 1, 65, 129, 64, 1000, 7, 2048), (300, 5000, 1000, 4096, 64, 3000, 7, 2048)
+    g = torch.Generator(device=DEV).manual_seed(d)
+    qkv = torch.randn((sum(q_lens), hq + 2 * hkv, d), generator=g, device=DEV).to(torch.bfloat16)
+    q = qkv[:, :hq]
+    k, v = (torch.randn((sum(k_lens), hkv, d), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
+    packed = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5)
+    for i, (n_q, n_k) in enumerate(zip(q_lens, k_lens)):
+        rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        ref = F.scaled_dot_product_attention(
+            *(x.double().transpose(0, 1)[None] for x in (q[rows], k[keys], v[keys])),
+            attn_mask=torch.ones((n_q, n_k), dtype=torch.bool, device=DEV).tril(n_k - n_q),
+            scale=d**-0.5, enable_gqa=True,
+        )[0].transpose(0, 1)
+        assert float((packed[rows].double() - ref).norm() / ref.norm()) < 1e-2, (n_q, n_k)
+        for tail in sorted({1, min(64, n_q), n_q}):
+            cu_tail = torch.tensor([0, tail], dtype=torch.int32, device=DEV)
+            cu_keys = torch.tensor([0, n_k], dtype=torch.int32, device=DEV)
+            alone = tp.prefill_attention(q[rows][-tail:], k[keys], v[keys], cu_tail, cu_keys, tail, d**-0.5)
+            assert torch.equal(alone, packed[rows][-tail:]), (n_q, n_k, tail)
 
 
 def _offload(**extra):

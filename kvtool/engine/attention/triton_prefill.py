@@ -21,6 +21,10 @@ give the same bits. A descriptor's tile may run past a sequence's keys into the 
 into zeros past the tensor): those keys are past every row's position, so they are masked to
 exact zeros as any key past a row is. With descriptors the one row of a full hit over 32k keys
 takes 0.30 ms instead of 0.58 on an H200 (the whole causal prefill about the same).
+
+On Hopper itself, for 16-bit heads of 64 or 128, `prefill_attention` runs `hopper_prefill`
+instead: the same row contract in a warp-specialized Gluon kernel. Which kernel runs depends only
+on the device, the dtype and the head size, so every prefill row of a model takes the same one.
 """
 
 from __future__ import annotations
@@ -127,6 +131,23 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
 
 
 _tma_devices: dict[int, bool] = {}
+_hopper = None  # kvtool.engine.attention.hopper_prefill once imported; False where Gluon is missing
+
+
+def _hopper_kernel(q: torch.Tensor):
+    """The Hopper kernel's module when it runs q's rows, else None. It is written against the
+    Gluon of Triton 3.6 (an experimental interface); other Triton versions keep the kernel below."""
+    global _hopper
+    if _hopper is None:
+        _hopper = False
+        if triton.__version__.startswith("3.6."):
+            try:
+                from kvtool.engine.attention import hopper_prefill
+            except ImportError:
+                pass
+            else:
+                _hopper = hopper_prefill
+    return _hopper if _hopper and _hopper.usable(q) else None
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -142,12 +163,23 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq, D], k/v [sum ctx, Hkv, D] (last dim
     contiguous), cu_q/cu_k [S + 1] int32. Writes and returns out [T, Hq, D]."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
     if out is None:
         out = torch.empty_like(q)
-    if t == 0:
+    if q.shape[0] == 0:
         return out
+    hopper = _hopper_kernel(q)
+    if hopper is not None:
+        return hopper.hopper_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
+    return triton_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
+
+
+def triton_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """`prefill_attention` through the Triton kernel above, on any CUDA device (t > 0)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
     block_n = key_tile(d)
     block_m = 128 if max_q > 64 and block_n == 128 else 64
     grid = (hq, triton.cdiv(max_q, block_m), cu_q.shape[0] - 1)
