@@ -12,8 +12,9 @@ through TMA into a ring of shared-memory slots, and frees the consumers from eve
 consumer's step for tile j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} to the tensor cores
 together and computes the softmax of S_j while the second product runs; then it rescales O by
 tile j's factor before P_j V_j is added on the next step: the order of `acc = dot(p_j, v_j,
-acc * alpha_j)`. The two consumers are separate warpgroups, so while one is in its softmax the
-other's products keep the tensor cores busy.
+acc * alpha_j)`. The two consumers are separate warpgroups and take turns to issue their pairs
+of products (one pair of mbarriers passes the turn), so one's softmax runs while the other's
+products keep the tensor cores busy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _SUB_M = gl.constexpr(SUB_M)  # the same, for the kernels
 _BLOCK_N = gl.constexpr(BLOCK_N)
 HEAD_DIMS = (64, 128)
 STAGES = 2  # K / V slots in flight
+PINGPONG = True  # the two consumers take turns to issue their products (below)
 MAX_REGISTERS = 168  # per thread at launch; the partitions then take 24 (producer) and ~240 (consumers)
 
 
@@ -81,7 +83,8 @@ def _block_tiles(q_len, k_len, m_block, BLOCK_M: gl.constexpr):
 def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
     """One consumer warpgroup: rows half * 64 .. + 63 of the block."""
     q_bufs, k_bufs, v_bufs = bufs
-    q_ready, k_ready, v_ready, kv_empty = bars
+    q_ready, k_ready, v_ready, kv_empty, turns = bars
+    TAKE_TURNS: gl.constexpr = turns.type.shape[0] == 2
     h, q_first, q_len, k_len, m_block = scalars
     BLOCK_M: gl.constexpr = _SUB_M * q_bufs.type.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -112,9 +115,13 @@ def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
         slot = j % NUM_STAGES
         prev = (j - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+        if TAKE_TURNS:  # consumer 0 issues first (a fresh barrier passes parity 1), then they alternate
+            mbarrier.wait(turns.index(half), (j - half) & 1)
         s_next = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         acc_next = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        if TAKE_TURNS:
+            mbarrier.arrive(turns.index(1 - half), count=1)
         s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_j is done; P_{j-1} V_{j-1} may still run
         p_j, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, pos, j * _BLOCK_N, full_end, qk_scale,
                                              gl.SliceLayout(0, s_layout))
@@ -145,7 +152,7 @@ def _produce(descs, bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, 
     """The producer warp: the block's Q, then K and V tile by tile into the free slots."""
     q_desc, k_desc, v_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
-    q_ready, k_ready, v_ready, kv_empty = bars
+    q_ready, k_ready, v_ready, kv_empty, turns = bars
     h, q_first, q_len, k_len, m_block = scalars
     CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -166,7 +173,8 @@ def _produce(descs, bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, 
 
 @gluon.jit
 def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale, stride_ot, stride_oh,
-                    GROUP: gl.constexpr, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
+                    GROUP: gl.constexpr, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    TAKE_TURNS: gl.constexpr):
     h = gl.program_id(0)
     seq = gl.program_id(2)
     q_first = gl.load(cu_q_ptr + seq)
@@ -185,6 +193,10 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # Two barriers when the consumers take turns, else one unused (the count carries the choice).
+    turns = gl.allocate_shared_memory(gl.int64, [2 if TAKE_TURNS else 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 if TAKE_TURNS else 1):
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
@@ -193,7 +205,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)
 
     bufs = (q_bufs, k_bufs, v_bufs)
-    bars = (q_ready, k_ready, v_ready, kv_empty)
+    bars = (q_ready, k_ready, v_ready, kv_empty, turns)
     scalars = (h, q_first, q_len, k_len, m_block)
     # Worker partitions share one signature; constants travel in the buffers' shapes.
     workers = ((q_desc, k_desc, v_desc), bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, k_first,
@@ -229,7 +241,8 @@ def hopper_prefill_attention(
     _prefill_kernel[grid](
         _descriptor(q, SUB_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_q, cu_k,
         scale * math.log2(math.e), out.stride(0), out.stride(1),
-        GROUP=hq // k.shape[1], CONSUMERS=consumers, NUM_STAGES=STAGES, num_warps=4,
+        GROUP=hq // k.shape[1], CONSUMERS=consumers, NUM_STAGES=STAGES, TAKE_TURNS=PINGPONG and consumers == 2,
+        num_warps=4,
         maxnreg=MAX_REGISTERS if consumers == 2 else None,
     )
     return out
