@@ -133,7 +133,8 @@ def section_kernels():
     from triton.testing import do_bench
 
     from kvtool.engine.attention.triton_ops import choose_num_splits, paged_decode
-    from kvtool.engine.attention.triton_prefill import prefill_attention, triton_prefill_attention
+    from kvtool.engine.attention.prefill import prefill_attention
+    from kvtool.engine.attention.triton_prefill import triton_prefill_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hq, hkv, d, bs, layers = 32, 8, 128, 16, 1

@@ -129,7 +129,7 @@ def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
 
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 4, 256)])
 def test_prefill_kernel_against_sdpa_and_its_own_tails(hq, hkv, d):
-    from kvtool.engine.attention.triton_prefill import prefill_attention
+    from kvtool.engine.attention.prefill import prefill_attention
 
     g = torch.Generator(device=DEV).manual_seed(d)
     n = 1000
@@ -161,7 +161,7 @@ def test_prefill_kernel_reads_the_same_bits_through_tma_and_pointers(monkeypatch
     q = qkv[:, :hq]
     k, v = (torch.randn((sum(k_lens), hkv, d), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
     cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
-    assert all(tp._rows_view(x) is not None for x in (q, k, v))
+    assert all(tp.rows_view(x) is not None for x in (q, k, v))
     index = torch.cuda.current_device()
     outs = {}
     for tma in (True, False):
@@ -184,10 +184,9 @@ def test_hopper_prefill_kernel_on_packed_sequences(d):
     packed sequence (lengths around its 64-row halves and 128-key tiles, q a slice of a fused
     projection, a full hit's one row over 5000 keys), and each row's bits those of the same row
     computed alone, with one consumer warpgroup (64 rows or fewer) or two."""
-    from kvtool.engine.attention import triton_prefill as tp
+    from kvtool.engine.attention import prefill as tp
 
-    probe = torch.empty((1, 1, d), dtype=torch.bfloat16, device=DEV)
-    if tp._hopper_kernel(probe) is None:
+    if not tp.uses_hopper_kernel(torch.empty((1, 1, d), dtype=torch.bfloat16, device=DEV)):
         pytest.skip("the Hopper kernel needs compute capability 9.0 and Triton 3.6")
     hq, hkv = 32, 8
     q_lens, k_lens = (300, 1, 65, 129, 64, 1000, 7, 2048), (300, 5000, 1000, 4096, 64, 3000, 7, 2048)

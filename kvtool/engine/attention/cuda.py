@@ -2,11 +2,11 @@
 
 Per step and layer: one Triton kernel stores the new tokens' K/V (or the fused rope kernel
 before it did); the decode rows (q_len == 1) go through the Triton split-KV paged kernel (in
-batch-invariant mode, the fixed-tile one of `triton_tiles`); the prefill rows through the Triton prefill kernel
-(`triton_prefill`), over the new K/V, or over K/V gathered from the pages when some sequence has
-a cached prefix. That kernel gives each row the same bits wherever the computation starts, so a
-prompt computed after a KV hit matches the same prompt computed whole.
-"""
+batch-invariant mode, the fixed-tile one of `triton_tiles`); the prefill rows through the prefill
+kernel (`prefill`: Gluon on Hopper, Triton elsewhere), over the new K/V, or over K/V gathered
+from the pages when some sequence has a cached prefix. That kernel gives each row the same bits
+wherever the computation starts, so a prompt computed after a KV hit matches the same prompt
+computed whole."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from kvtool.engine.attention import triton_ops
 from kvtool.engine.attention.context import AttentionMetadata
-from kvtool.engine.attention.triton_prefill import prefill_attention
+from kvtool.engine.attention.prefill import prefill_attention
 from kvtool.engine.attention.triton_tiles import paged_decode_tiles
 
 

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kvtool.engine.attention.triton_prefill import _rows_view
+from kvtool.engine.attention.triton_prefill import rows_view
 
 SUB_M = 64  # query rows of one consumer warpgroup: the wgmma M of its 4 warps
 BLOCK_N = 128
@@ -220,9 +220,9 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
 def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """x [T, H, D] as a TMA descriptor of [T, H * D] in tiles of [rows, D]: over x itself when its
     layout allows, else over a contiguous copy."""
-    view = _rows_view(x)
+    view = rows_view(x)
     if view is None:
-        view = _rows_view(x.contiguous())
+        view = rows_view(x.contiguous())
     d = x.shape[-1]
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([rows, d], dtype)
@@ -233,7 +233,7 @@ def hopper_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
     scale: float, out: torch.Tensor,
 ) -> torch.Tensor:
-    """`triton_prefill.prefill_attention` for inputs where `usable(q)`; writes and returns out."""
+    """`prefill.prefill_attention` for inputs where `usable(q)`; writes and returns out."""
     t, hq, d = q.shape
     # One consumer when every block has at most 64 rows (decode-sized tails, a full hit's one row).
     consumers = 2 if max_q > SUB_M else 1

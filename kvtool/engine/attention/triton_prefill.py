@@ -22,9 +22,8 @@ into zeros past the tensor): those keys are past every row's position, so they a
 exact zeros as any key past a row is. With descriptors the one row of a full hit over 32k keys
 takes 0.30 ms instead of 0.58 on an H200 (the whole causal prefill about the same).
 
-On Hopper itself, for 16-bit heads of 64 or 128, `prefill_attention` runs `hopper_prefill`
-instead: the same row contract in a warp-specialized Gluon kernel. Which kernel runs depends only
-on the device, the dtype and the head size, so every prefill row of a model takes the same one.
+On Hopper itself, for 16-bit heads of 64 or 128, `prefill.prefill_attention` runs
+`hopper_prefill` instead: the same row contract in a warp-specialized Gluon kernel.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def _prefill_kernel(
                  mask=row_ok[:, None])
 
 
-def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
+def rows_view(x: torch.Tensor) -> torch.Tensor | None:
     """x [T, H, D] (heads adjacent) as [T, H * D] sharing its memory, or None when a TMA descriptor
     cannot describe it (heads not adjacent, or an address or row stride off 16 bytes)."""
     t, h, d = x.shape
@@ -131,23 +130,6 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
 
 
 _tma_devices: dict[int, bool] = {}
-_hopper = None  # kvtool.engine.attention.hopper_prefill once imported; False where Gluon is missing
-
-
-def _hopper_kernel(q: torch.Tensor):
-    """The Hopper kernel's module when it runs q's rows, else None. It is written against the
-    Gluon of Triton 3.6 (an experimental interface); other Triton versions keep the kernel below."""
-    global _hopper
-    if _hopper is None:
-        _hopper = False
-        if triton.__version__.startswith("3.6."):
-            try:
-                from kvtool.engine.attention import hopper_prefill
-            except ImportError:
-                pass
-            else:
-                _hopper = hopper_prefill
-    return _hopper if _hopper and _hopper.usable(q) else None
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -157,34 +139,20 @@ def _has_tma(device: torch.device) -> bool:
     return _tma_devices[index]
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    scale: float, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of packed sequences: q [T, Hq, D], k/v [sum ctx, Hkv, D] (last dim
-    contiguous), cu_q/cu_k [S + 1] int32. Writes and returns out [T, Hq, D]."""
-    if out is None:
-        out = torch.empty_like(q)
-    if q.shape[0] == 0:
-        return out
-    hopper = _hopper_kernel(q)
-    if hopper is not None:
-        return hopper.hopper_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
-    return triton_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
-
-
 def triton_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
     scale: float, out: torch.Tensor,
 ) -> torch.Tensor:
-    """`prefill_attention` through the Triton kernel above, on any CUDA device (t > 0)."""
+    """Causal attention of packed sequences through the Triton kernel above, on any CUDA device:
+    q [T > 0, Hq, D], k/v [sum ctx, Hkv, D] (last dim contiguous), cu_q/cu_k [S + 1] int32.
+    Writes and returns out [T, Hq, D]."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     block_n = key_tile(d)
     block_m = 128 if max_q > 64 and block_n == 128 else 64
     grid = (hq, triton.cdiv(max_q, block_m), cu_q.shape[0] - 1)
     srcs = (q, k, v)
-    views = [_rows_view(x) for x in srcs] if _has_tma(q.device) else [None]
+    views = [rows_view(x) for x in srcs] if _has_tma(q.device) else [None]
     tma = all(x is not None for x in views)
     if tma:
         srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
