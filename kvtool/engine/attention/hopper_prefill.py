@@ -1,5 +1,5 @@
-"""Prefill attention on Hopper (compute capability 9.0), written in Gluon: one producer warp, two
-consumer warpgroups, and each consumer's softmax of one key tile beside its products of the next.
+"""Prefill attention on Hopper (compute capability 9.0), written in Gluon: one producer warp and
+two consumer warpgroups, one consumer's softmax beside the other's matrix products.
 
 The row contract is `triton_prefill`'s: a program owns BLOCK_M query rows of one head of one
 sequence and walks the keys from position 0 in tiles of BLOCK_N = 128 on a grid fixed at
@@ -8,13 +8,15 @@ a row's position masked to exact zeros). Each consumer warpgroup computes 64 of 
 own, so a row's bits do not depend on BLOCK_M, on the rows beside it or on the calls around it.
 
 What differs is the schedule. The producer warp brings the block's Q once and the K / V tiles
-through TMA into a ring of shared-memory slots, and frees the consumers from every load. A
-consumer's step for tile j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} to the tensor cores
-together and computes the softmax of S_j while the second product runs; then it rescales O by
-tile j's factor before P_j V_j is added on the next step: the order of `acc = dot(p_j, v_j,
-acc * alpha_j)`. The two consumers are separate warpgroups and take turns to issue their pairs
-of products (one pair of mbarriers passes the turn), so one's softmax runs while the other's
-products keep the tensor cores busy.
+through TMA into a ring of shared-memory slots, and frees the consumers from every load. The two
+consumers are separate warpgroups that take turns to issue their products (one pair of
+mbarriers passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1} right
+after consumer 0 has issued its own, so the tensor cores run one consumer's products while the
+other computes its softmax. Within a consumer the step is written in the order that would let
+its softmax of S_j run beside its own P_{j-1} V_{j-1} (O is rescaled by tile j-1's factor while
+S_j runs, before P_{j-1} V_{j-1} is added: the order of `acc = dot(p, v, acc * alpha)`), but
+ptxas (CUDA 12.8) places the wait for that product before the softmax, so the overlap comes
+from the turns.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
         if TAKE_TURNS:  # consumer 0 issues first (a fresh barrier passes parity 1), then they alternate
             mbarrier.wait(turns.index(half), (j - half) & 1)
         s_next = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]  # tile j - 1's factor, before its P V
         mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         acc_next = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
         if TAKE_TURNS:
@@ -127,9 +130,9 @@ def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
                                              gl.SliceLayout(0, s_layout))
         acc, p = warpgroup_mma_wait(0, deps=(acc_next, p))
         mbarrier.arrive(kv_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p = gl.convert_layout(p_j.to(v_bufs.dtype), p_layout)
     last = (n_tiles - 1) % NUM_STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
     acc = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
