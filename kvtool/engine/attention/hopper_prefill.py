@@ -1,5 +1,5 @@
 """Prefill attention on Hopper (compute capability 9.0), written in Gluon: one producer warp and
-two consumer warpgroups, one consumer's softmax beside the other's matrix products.
+two consumer warpgroups, each one's softmax beside matrix products, its own and the other's.
 
 The row contract is `triton_prefill`'s: a program owns BLOCK_M query rows of one head of one
 sequence and walks the keys from position 0 in tiles of BLOCK_N = 128 on a grid fixed at
@@ -12,11 +12,12 @@ through TMA into a ring of shared-memory slots, and frees the consumers from eve
 consumers are separate warpgroups that take turns to issue their products (one pair of
 mbarriers passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1} right
 after consumer 0 has issued its own, so the tensor cores run one consumer's products while the
-other computes its softmax. Within a consumer the step is written in the order that would let
-its softmax of S_j run beside its own P_{j-1} V_{j-1} (O is rescaled by tile j-1's factor while
-S_j runs, before P_{j-1} V_{j-1} is added: the order of `acc = dot(p, v, acc * alpha)`), but
-ptxas (CUDA 12.8) places the wait for that product before the softmax, so the overlap comes
-from the turns.
+other computes its softmax. Within a consumer, the softmax of S_j runs while its own
+P_{j-1} V_{j-1} does: O is rescaled by tile j-1's factor while S_j runs, before P_{j-1} V_{j-1}
+is added (the order of `acc = dot(p, v, acc * alpha)`), and the wait for that product comes after
+the softmax. ptxas (CUDA 12.8) schedules such a wait right after the one for S_j when both sit in
+one basic block, so the softmax is written out in both arms of the masking branch and the wait
+follows their join.
 """
 
 from __future__ import annotations
@@ -60,17 +61,29 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, pos, start, full_end, qk_scale, col_layout: gl.constexpr):
-    """Fold the scores s of the tile at `start` into the running max and sum; returns the
-    tile's probabilities, the new max and sum, and the factor that rescales the output."""
-    if start >= full_end:  # a tile past the block's first row: keys past each row's position
-        n = start + gl.arange(0, _BLOCK_N, layout=col_layout)
-        s = gl.where(pos[:, None] >= n[None, :], s, float("-inf"))
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """One tile's step of the online softmax (every product and sum written out, so no compiler
+    contracts one copy differently from the other)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))
     alpha = gl.exp2(m_i - m_new)
     l_i = gl.fma(l_i, alpha, gl.sum(p, 1))
     return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, pos, start, full_end, qk_scale, col_layout: gl.constexpr):
+    """Fold the scores s of the tile at `start` into the running max and sum; returns the
+    tile's probabilities, the new max and sum, and the factor that rescales the output."""
+    # The softmax in both arms: with it after the join, ptxas would wait for the consumer's
+    # P V product before it (module docstring).
+    if start >= full_end:  # a tile past the block's first row: keys past each row's position
+        n = start + gl.arange(0, _BLOCK_N, layout=col_layout)
+        s = gl.where(pos[:, None] >= n[None, :], s, float("-inf"))
+        p, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale)
+    else:
+        p, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
