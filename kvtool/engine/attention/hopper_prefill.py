@@ -8,7 +8,10 @@ a row's position masked to exact zeros). Each consumer warpgroup computes 64 of 
 own, so a row's bits do not depend on BLOCK_M, on the rows beside it or on the calls around it.
 
 What differs is the schedule. The producer warp brings the block's Q once and the K / V tiles
-through TMA into a ring of shared-memory slots, and frees the consumers from every load. The two
+through TMA into a ring of shared-memory slots, and frees the consumers from every load. A K slot
+is released as soon as both consumers' S_j has read it and a V slot once their P V has, so with
+two slots each load has a whole iteration of the loop to land (a slot released with its V alone
+would leave K_{j+2} no time: it is needed right after P_j V_j is done). The two
 consumers are separate warpgroups that take turns to issue their products (one pair of
 mbarriers passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1} right
 after consumer 0 has issued its own, so the tensor cores run one consumer's products while the
@@ -98,7 +101,7 @@ def _block_tiles(q_len, k_len, m_block, BLOCK_M: gl.constexpr):
 def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
     """One consumer warpgroup: rows half * 64 .. + 63 of the block."""
     q_bufs, k_bufs, v_bufs = bufs
-    q_ready, k_ready, v_ready, kv_empty, turns = bars
+    q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
     TAKE_TURNS: gl.constexpr = turns.type.shape[0] == 2
     h, q_first, q_len, k_len, m_block = scalars
     BLOCK_M: gl.constexpr = _SUB_M * q_bufs.type.shape[0]
@@ -121,6 +124,7 @@ def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
     s = gl.zeros((_SUB_M, _BLOCK_N), gl.float32, layout=s_layout)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full((_SUB_M, ), float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros((_SUB_M, ), gl.float32, layout=s_rows)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, pos, 0, full_end, qk_scale, gl.SliceLayout(0, s_layout))
@@ -139,17 +143,18 @@ def _consume(bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, half):
         if TAKE_TURNS:
             mbarrier.arrive(turns.index(1 - half), count=1)
         s = warpgroup_mma_wait(1, deps=(s_next, ))  # S_j is done; P_{j-1} V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(slot), count=1)  # so K_j's slot may take K_{j + NUM_STAGES}
         p_j, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, pos, j * _BLOCK_N, full_end, qk_scale,
                                              gl.SliceLayout(0, s_layout))
         acc, p = warpgroup_mma_wait(0, deps=(acc_next, p))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
+        mbarrier.arrive(v_empty.index(prev), count=1)
         p = gl.convert_layout(p_j.to(v_bufs.dtype), p_layout)
     last = (n_tiles - 1) % NUM_STAGES
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
     acc = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-    mbarrier.arrive(kv_empty.index(last), count=1)
+    mbarrier.arrive(v_empty.index(last), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     rows = first_row + gl.arange(0, _SUB_M, layout=o_rows)
@@ -168,7 +173,7 @@ def _produce(descs, bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, 
     """The producer warp: the block's Q, then K and V tile by tile into the free slots."""
     q_desc, k_desc, v_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
-    q_ready, k_ready, v_ready, kv_empty, turns = bars
+    q_ready, k_ready, v_ready, k_empty, v_empty, turns = bars
     h, q_first, q_len, k_len, m_block = scalars
     CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -180,9 +185,11 @@ def _produce(descs, bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, 
                                         q_ready.index(i), q_bufs.index(i))
     for j in range(n_tiles):
         slot = j % NUM_STAGES
-        mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        free = ((j // NUM_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
+        mbarrier.wait(k_empty.index(slot), free)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_first + j * _BLOCK_N, col], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [k_first + j * _BLOCK_N, col], v_ready.index(slot), v_bufs.index(slot))
 
@@ -208,7 +215,8 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     # Two barriers when the consumers take turns, else one unused (the count carries the choice).
     turns = gl.allocate_shared_memory(gl.int64, [2 if TAKE_TURNS else 1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2 if TAKE_TURNS else 1):
@@ -218,10 +226,11 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     bufs = (q_bufs, k_bufs, v_bufs)
-    bars = (q_ready, k_ready, v_ready, kv_empty, turns)
+    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turns)
     scalars = (h, q_first, q_len, k_len, m_block)
     # Worker partitions share one signature; constants travel in the buffers' shapes.
     workers = ((q_desc, k_desc, v_desc), bufs, bars, scalars, o_ptr, stride_ot, stride_oh, qk_scale, k_first,
