@@ -202,7 +202,7 @@ class SlotTransfers:
             if layerwise and self.can_copy_rows():
                 self._load_layers(pairs)
             elif layerwise:
-                index = self._device_index(np.asarray(pairs, dtype=np.int64))
+                index = self.device_index(np.asarray(pairs, dtype=np.int64))
                 for layer in range(self.num_layers):
                     self._layer_copy(self.pool, pages, index, layer)
                     self._record_layer(ls)
@@ -218,7 +218,7 @@ class SlotTransfers:
         if not layerwise:
             compute.wait_event(self.load_end)
 
-    def _device_index(self, values: np.ndarray) -> torch.Tensor:
+    def device_index(self, values: np.ndarray) -> torch.Tensor:
         """`values` (int64) on the device, copied on the current stream through reused pinned buffers."""
         return self._index_staging.to_device(values, self.pages.device)
 
@@ -265,7 +265,7 @@ class SlotTransfers:
                 self._record_layer(ls, l1 - l0)
             return
         bufs = [b.view(-1) for b in self._staging_buffers()]
-        dst = self._device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
+        dst = self.device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
         cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
         elems = pages[0, 0, 0].numel()
         fills = staging_fills(pairs, capacity)
@@ -304,7 +304,7 @@ class SlotTransfers:
         ls, cs = self.load_stream, self.copy_stream
         pages = self.pages.tensor
         self._staging_buffers()
-        dst = self._device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
+        dst = self.device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
         cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
         scattered: list[torch.cuda.Event] = []
         for i, (at, src, n) in enumerate(chunks):

@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvtool.engine.connectors.base import ConnectorContext, WorkerHalf
@@ -122,7 +123,7 @@ class OffloadingWorker(WorkerHalf):
         pairs = [(b, j.slot * bps + i) for j in jobs for i, b in enumerate(j.block_ids)]
         if len(pairs) < LAYERWISE_MIN_BLOCKS or not self.transfers.can_copy_layerwise():
             return
-        index = torch.tensor(pairs, dtype=torch.int64).pin_memory().to(self.kv_pages.device, non_blocking=True)
+        index = self.transfers.device_index(np.asarray(pairs, dtype=np.int64))
         self._layer_save = (pairs, index)
         self._layer_job_ids = {j.job_id for j in jobs}
 
