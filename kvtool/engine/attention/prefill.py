@@ -1,8 +1,8 @@
 """Prefill attention on CUDA: which kernel computes the prefill rows.
 
 Both kernels give each row the same bits wherever the computation starts (`triton_prefill` says
-how); they do not give each other's bits, so the choice depends only on what is fixed for a
-model: the device, the dtype and the head size. On Hopper, for 16-bit heads of 64 or 128, the
+how). On an H200 they also gave each other's bits on every shape checked, but nothing promises
+that, so the choice depends only on what is fixed for a model: the device, the dtype and the head size. On Hopper, for 16-bit heads of 64 or 128, the
 Gluon kernel of `hopper_prefill`, written against the Gluon of Triton 3.6 (an experimental
 interface: other Triton versions keep the Triton kernel); everywhere else the Triton kernel.
 """
