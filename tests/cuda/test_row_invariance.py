@@ -211,6 +211,28 @@ def test_hopper_prefill_kernel_on_packed_sequences(d):
             assert torch.equal(alone, packed[rows][-tail:]), (n_q, n_k, tail)
 
 
+def test_hopper_prefill_bits_do_not_depend_on_its_schedule(monkeypatch):
+    """The Gluon kernel's schedule knobs (consumers taking turns, 2 or 3 K/V slots) move work in
+    time, never the arithmetic: every setting gives the shipped setting's bits."""
+    from kvtool.engine.attention import hopper_prefill as hp
+    from kvtool.engine.attention import prefill as tp
+
+    if not tp.uses_hopper_kernel(torch.empty((1, 1, 128), dtype=torch.bfloat16, device=DEV)):
+        pytest.skip("the Hopper kernel needs compute capability 9.0 and Triton 3.6")
+    q_lens, k_lens = (300, 1, 129, 2048), (300, 5000, 4096, 2048)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn((sum(q_lens), 32, 128), generator=g, device=DEV).to(torch.bfloat16)
+    k, v = (torch.randn((sum(k_lens), 8, 128), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
+    shipped = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), 128**-0.5)
+    for stages in (2, 3):
+        for turns in (False, True):
+            monkeypatch.setattr(hp, "STAGES", stages)
+            monkeypatch.setattr(hp, "PINGPONG", turns)
+            out = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), 128**-0.5)
+            assert torch.equal(out, shipped), (stages, turns)
+
+
 def _offload(**extra):
     from kvtool.engine.connectors.config import parse_kv_transfer_config
 
