@@ -11,17 +11,17 @@ What differs is the schedule. The producer warp brings the block's Q once and th
 through TMA into a ring of shared-memory slots, and frees the consumers from every load. A K slot
 is released as soon as both consumers' S_j has read it and a V slot once their P V has, so with
 two slots each load has a whole iteration of the loop to land (a slot released with its V alone
-would leave K_{j+2} no time: it is needed right after P_j V_j is done). The two
-consumers are separate warpgroups; with PINGPONG they take turns to issue their products (one
-pair of mbarriers passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-right after consumer 0 has issued its own. On an H200 the turns bought nothing the warp
-scheduler does not already get from two independent warpgroups (Qwen3-8B cold 32k: 1258.7 ms
-with them, 1250.7 without), so they are off; the bits are the same either way. Within a consumer, the softmax of S_j runs while its own
-P_{j-1} V_{j-1} does: O is rescaled by tile j-1's factor while S_j runs, before P_{j-1} V_{j-1}
-is added (the order of `acc = dot(p, v, acc * alpha)`), and the wait for that product comes after
-the softmax. ptxas (CUDA 12.8) schedules such a wait right after the one for S_j when both sit in
-one basic block, so the softmax is written out in both arms of the masking branch and the wait
-follows their join.
+would leave K_{j+2} no time: it is needed right after P_j V_j is done). The two consumers are
+separate warpgroups; with PINGPONG they take turns to issue their products (one pair of mbarriers
+passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1} right after
+consumer 0 has issued its own. On an H200 the turns bought nothing the warp scheduler does not
+already get from two independent warpgroups (Qwen3-8B cold 32k: 1258.7 ms with them, 1250.7
+without), so they are off; the bits are the same either way. Within a consumer, the softmax of S_j
+runs while its own P_{j-1} V_{j-1} does: O is rescaled by tile j-1's factor while S_j runs, before
+P_{j-1} V_{j-1} is added (the order of `acc = dot(p, v, acc * alpha)`), and the wait for that
+product comes after the softmax. ptxas (CUDA 12.8) schedules such a wait right after the one for
+S_j when both sit in one basic block, so the softmax is written out in both arms of the masking
+branch and the wait follows their join.
 """
 
 from __future__ import annotations

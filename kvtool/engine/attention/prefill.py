@@ -2,9 +2,10 @@
 
 Both kernels give each row the same bits wherever the computation starts (`triton_prefill` says
 how). On an H200 they also gave each other's bits on every shape checked, but nothing promises
-that, so the choice depends only on what is fixed for a model: the device, the dtype and the head size. On Hopper, for 16-bit heads of 64 or 128, the
-Gluon kernel of `hopper_prefill`, written against the Gluon of Triton 3.6 (an experimental
-interface: other Triton versions keep the Triton kernel); everywhere else the Triton kernel.
+that, so the choice depends only on what is fixed for a model: the device, the dtype and the head
+size. On Hopper, for 16-bit heads of 64 or 128, the Gluon kernel of `hopper_prefill`, written
+against the Gluon of Triton 3.6 (an experimental interface: other Triton versions keep the Triton
+kernel); everywhere else the Triton kernel.
 """
 
 from __future__ import annotations
