@@ -199,6 +199,10 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
+        elif device.type == "cpu":
+            from kvtool.engine.models.cpu_gemm import pack_cpu_linears
+
+            pack_cpu_linears(model)  # projections and LM head over oneDNN-reordered weights
 
     def _setup_cuda(self, use_cuda_graphs: bool, use_fused_ops: bool) -> None:
         from kvtool.engine.attention.triton_ops import choose_num_splits

@@ -1,6 +1,7 @@
 """Our models against Hugging Face transformers (the reference) on the same directory, float32 on CPU.
 
-For each model: a 64-token prefill, then 32 greedy decode steps, through real KVPages and
+For each model, with its products through F.linear and through oneDNN (as the runner runs
+them): a 64-token prefill, then 32 greedy decode steps, through real KVPages and
 attention metadata; the logits at all 96 positions must be within 1e-4 of transformers' logits for
 the same tokens, and transformers' argmax must pick the same greedy tokens.
 """
@@ -16,6 +17,7 @@ from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_contex
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.model_dir import ModelConfig, open_model_dir
 from kvtool.engine.models import build_model
+from kvtool.engine.models.cpu_gemm import pack_cpu_linears
 from kvtool.engine.models.layers import rope_inv_freq
 from kvtool.engine.presets import write_random_model_dir
 
@@ -24,6 +26,9 @@ NUM_DECODE_STEPS = 32
 # float32 logits; transformers multiplies other shapes, whose BLAS kernels round differently by
 # machine (up to about 1e-4 on the embedded model on AVX-512 and AMX CPUs).
 ATOL = 2e-4
+# The model's products as `build_model` makes them (F.linear), and over oneDNN-reordered weights
+# as the runner runs them (`cpu_gemm`).
+PRODUCTS = ["dense", "onednn"]
 
 
 class PagedSequence:
@@ -80,9 +85,11 @@ def hf_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([token_ids])).logits[0].float()
 
 
-def check_against_hf(model_dir, prompt: list[int]) -> None:
+def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
     md = open_model_dir(model_dir)
     ours = build_model(md, "cpu", torch.float32, "auto")
+    if products == "onednn":  # as the runner runs it
+        assert pack_cpu_linears(ours) > 0
     logits, generated = greedy_run(ours, md.config, prompt, NUM_DECODE_STEPS)
     ref = hf_logits(model_dir, prompt + generated)
     assert logits.shape == ref.shape == (len(prompt) + NUM_DECODE_STEPS, md.config.vocab_size)
@@ -128,8 +135,9 @@ RANDOM_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
-def test_random_config_matches_transformers(tmp_path, name):
+def test_random_config_matches_transformers(tmp_path, name, products):
     d = tmp_path / name
     # One model is stored sharded (model.safetensors.index.json), as large checkpoints are.
     shard_bytes = 64_000 if name == "llama-gqa4-untied-llama3" else 1 << 30
@@ -141,7 +149,7 @@ def test_random_config_matches_transformers(tmp_path, name):
                                rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
     g = torch.Generator().manual_seed(len(name))
     prompt = torch.randint(0, 259, (NUM_PROMPT_TOKENS,), generator=g).tolist()
-    check_against_hf(d, prompt)
+    check_against_hf(d, prompt, products)
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +167,12 @@ PASSAGE = (
 )
 
 
-def test_smollm2_matches_transformers(smollm2_dir):
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_smollm2_matches_transformers(smollm2_dir, products):
     tok = open_model_dir(smollm2_dir).tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PASSAGE}]), add_special_tokens=False)
     assert len(prompt) >= NUM_PROMPT_TOKENS
-    check_against_hf(smollm2_dir, prompt[:NUM_PROMPT_TOKENS])
+    check_against_hf(smollm2_dir, prompt[:NUM_PROMPT_TOKENS], products)
 
 
 def test_smollm2_answers_the_capital_of_france(smollm2_dir):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_context
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.model_dir import ModelConfig, parse_config
 from kvtool.engine.models import build_model
+from kvtool.engine.models.cpu_gemm import pack_cpu_linears
 from kvtool.engine.presets import PRESETS
 
 BS = 16
@@ -40,9 +42,12 @@ def _forward(model, config: ModelConfig, spans: list[tuple[int, int]], rows: tor
     return hidden, pages.tensor
 
 
-def test_sampled_rows_equal_the_full_forward():
+@pytest.mark.parametrize("products", ["dense", "onednn"])
+def test_sampled_rows_equal_the_full_forward(products):
     config = parse_config(PRESETS["tiny"].hf_config)
     model = build_model(config, "cpu", torch.float32, "dummy", seed=3)
+    if products == "onednn":  # as the runner runs it
+        assert pack_cpu_linears(model) > 0
     spans = [(0, 37), (0, 300), (0, 5)]
     full, full_pages = _forward(model, config, spans, None)
     for rows in ([36], [36, 336, 341], [0, 100, 341], []):

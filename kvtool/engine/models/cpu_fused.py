@@ -3,9 +3,11 @@ passes (one 2-norm reduction, one scaling), and one norm and one rotation for q 
 
 `build_model` applies them to a model built on CPU. Every parameter keeps its name and shape
 (the fused weights are concatenations, and each projection's parameter is re-pointed at its
-slice, so nothing is duplicated). Every operation is per row, so a row's bits still do not depend
-on the rows computed with it; they differ from the plain modules' by rounding only (float32
-logits stay within tests/integration/test_logits_vs_hf.py's tolerance of transformers').
+slice, so nothing is duplicated). The fused products are `cpu_gemm.CpuLinear`s, which the
+runner moves onto oneDNN-reordered weights with the other projections. Every operation is per
+row, so a row's bits still do not depend on the rows computed with it; they differ from the
+plain modules' by rounding only (float32 logits stay within
+tests/integration/test_logits_vs_hf.py's tolerance of transformers').
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.engine.attention import attend, attend_rows
+from kvtool.engine.models.cpu_gemm import CpuLinear
 from kvtool.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, concat_linear_params, pad_rows_on_cpu
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.qwen3 import Qwen3Attention
@@ -48,7 +51,7 @@ def _qkv(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """Rotated q [T, Hq, D], rotated k and v [T, Hkv, D] of x [T, hidden]."""
     t, d = x.shape[0], self.head_dim
     hq, hkv = self.num_heads, self.num_kv_heads
-    qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+    qkv = self.qkv_linear(x).view(t, hq + 2 * hkv, d)
     v = qkv[:, hq + hkv :]
     qk = qkv[:, : hq + hkv]
     if isinstance(self, Qwen3Attention):  # per-head norms of q and k (one eps: the model's)
@@ -77,7 +80,7 @@ def _layer_forward_rows(self: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, 
 
 
 def _mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    gate_up = F.linear(x, self.gate_up_weight)
+    gate_up = self.gate_up_linear(x)
     n = gate_up.shape[1] // 2
     gate = F.silu(gate_up[:, :n], inplace=True)  # in place: no [T, n] allocation per layer
     return self.down_proj(gate.mul_(gate_up[:, n:]))
@@ -89,12 +92,12 @@ def apply_cpu_fusion(model: nn.Module) -> None:
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_rms_forward, module)
         elif isinstance(module, GatedMLP):
-            module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
+            module.gate_up_linear = CpuLinear(concat_linear_params([module.gate_proj, module.up_proj], "weight"))
             module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, DecoderLayer) and isinstance(module.self_attn, LlamaAttention):
             module.forward_rows = types.MethodType(_layer_forward_rows, module)
         if isinstance(module, LlamaAttention):
             projections = [module.q_proj, module.k_proj, module.v_proj]
-            module.qkv_weight = concat_linear_params(projections, "weight")
-            module.qkv_bias = concat_linear_params(projections, "bias")
+            module.qkv_linear = CpuLinear(concat_linear_params(projections, "weight"),
+                                          concat_linear_params(projections, "bias"))
             module.forward = types.MethodType(_attention_forward, module)

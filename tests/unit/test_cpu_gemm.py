@@ -1,0 +1,104 @@
+"""The CPU products over oneDNN-reordered weights (`models.cpu_gemm`): a row's bits do not depend
+on how many rows are computed with it, for every multiple of ROW_MULTIPLE the CPU path uses, on
+the shapes of the presets' models; they equal F.linear's to rounding; packing a model frees the
+dense matrices and keeps its output; and without oneDNN every product stays F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtool.engine.attention import ROW_MULTIPLE
+from kvtool.engine.model_dir import parse_config
+from kvtool.engine.models import build_model
+from kvtool.engine.models.cpu_gemm import CpuLinear, pack_cpu_linears
+from kvtool.engine.presets import PRESETS
+
+# (out, in) of q/k/v, o_proj, gate/up, down_proj and the LM head of the tiny preset, of the
+# embedded SmolLM2-135M and of Qwen3-0.6B (whose LM head is left out: 0.6 GB in float32).
+SHAPES = {
+    "tiny": [(512, 256), (256, 256), (1536, 256), (256, 768), (512, 256)],
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
+    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],
+}
+MAX_ROWS = 1024
+ROW_COUNTS = [m for m in range(ROW_MULTIPLE, MAX_ROWS + 1, ROW_MULTIPLE) if m <= 256 or m % 128 == 0 or m == 1008]
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_a_row_does_not_depend_on_the_rows_beside_it(model):
+    gen = torch.Generator().manual_seed(1)
+    for out_features, in_features in SHAPES[model]:
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+        linear = CpuLinear(weight).reordered()
+        x = torch.randn(MAX_ROWS, in_features, generator=gen)
+        whole = linear(x)
+        differ = [m for m in ROW_COUNTS if not torch.equal(linear(x[-m:].contiguous()), whole[-m:])]
+        assert differ == [], f"{model} ({out_features}, {in_features}): rows differ at row counts {differ}"
+
+
+def test_the_product_is_f_linear_to_rounding_with_bias_and_strided_rows():
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    gate_up = torch.randn(32, 128, generator=gen)
+    x = gate_up[:, :64]  # down_proj's input is such a view of the gate/up product
+    linear = CpuLinear(weight, bias).reordered()
+    assert linear.packed == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert torch.equal(linear(x), linear(x.contiguous()))
+    assert linear(x[:0]).shape == (0, 96)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
+    config = parse_config(dict(PRESETS["tiny"].hf_config, tie_word_embeddings=tied))
+    model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(3))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    embedding = model.model.embed_tokens.weight.clone()
+
+    def logits():
+        from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_context
+        from kvtool.engine.kv_pages import KVGeometry, KVPages
+
+        g = KVGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                       block_size=16, dtype="float32")
+        pages = KVPages(g, 4, torch.device("cpu"))
+        pos = torch.arange(48)
+        meta = AttentionMetadata(kv_pages=pages, seqs=[SeqSpan(q_start=0, q_len=48, ctx_len=48, block_ids=torch.arange(3))],
+                                 slot_block_ids=pos // 16, slot_offsets=pos % 16)
+        with torch.inference_mode(), attention_context(meta):
+            return model.compute_logits(model(ids, pos))
+
+    before = logits()
+    moved = pack_cpu_linears(model)
+    layers = config.num_layers
+    assert moved == (4 * layers + 1 if torch.backends.mkldnn.is_available() else 0)
+    if moved:
+        freed = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                 mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        if not tied:
+            freed.append(model.lm_head.weight)
+        assert all(p.numel() == 0 for p in freed)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # the embedding (a tied head) stays
+    after = logits()
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert pack_cpu_linears(model) == 0  # already moved
+    assert torch.equal(logits(), after)
+
+
+def test_without_onednn_the_products_stay_f_linear(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    config = parse_config(PRESETS["tiny"].hf_config)
+    model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    assert pack_cpu_linears(model) == 0
+    attn = model.model.layers[0].self_attn
+    assert not attn.qkv_linear.packed and attn.q_proj.weight.numel() > 0
+    weight = torch.randn(8, 4)
+    assert CpuLinear(weight).reordered().weight is weight
+
+
+def test_only_float32_weights_are_reordered():
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert CpuLinear(weight).reordered().weight is weight
