@@ -1,6 +1,6 @@
 """The CPU products over oneDNN-reordered weights (`models.cpu_gemm`): a row's bits do not depend
 on how many rows are computed with it, for every multiple of ROW_MULTIPLE the CPU path uses, on
-the shapes of the presets' models; they equal F.linear's to rounding; packing a model frees the
+the shapes of the presets' models, with 1, 2 or 4 threads; they equal F.linear's to rounding; packing a model frees the
 dense matrices and keeps its output; and without oneDNN every product stays F.linear."""
 
 from __future__ import annotations
@@ -26,8 +26,17 @@ MAX_ROWS = 1024
 ROW_COUNTS = [m for m in range(ROW_MULTIPLE, MAX_ROWS + 1, ROW_MULTIPLE) if m <= 256 or m % 128 == 0 or m == 1008]
 
 
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
+def threads(request):
+    """Run the test with torch set to this many threads (more than the machine's cores is fine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_a_row_does_not_depend_on_the_rows_beside_it(model):
+def test_a_row_does_not_depend_on_the_rows_beside_it(model, threads):
     gen = torch.Generator().manual_seed(1)
     for out_features, in_features in SHAPES[model]:
         weight = torch.randn(out_features, in_features, generator=gen) * 0.05
@@ -35,7 +44,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(model):
         x = torch.randn(MAX_ROWS, in_features, generator=gen)
         whole = linear(x)
         differ = [m for m in ROW_COUNTS if not torch.equal(linear(x[-m:].contiguous()), whole[-m:])]
-        assert differ == [], f"{model} ({out_features}, {in_features}): rows differ at row counts {differ}"
+        assert differ == [], f"{model} ({out_features}, {in_features}), {threads} threads: rows differ at {differ} rows"
 
 
 def test_the_product_is_f_linear_to_rounding_with_bias_and_strided_rows():
