@@ -1,7 +1,8 @@
 """The CPU products over oneDNN-reordered weights (`models.cpu_gemm`): a row's bits do not depend
 on how many rows are computed with it, for every multiple of ROW_MULTIPLE the CPU path uses, on
 the shapes of the presets' models, with 1, 2 or 4 threads; they equal F.linear's to rounding; packing a model frees the
-dense matrices and keeps its output; and without oneDNN every product stays F.linear."""
+dense matrices and keeps its output; without oneDNN every product stays F.linear; and a step of
+a few rows is padded to the smallest multiple (4 or 8) whose rows match larger batches'."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from kvtool.engine.attention import ROW_MULTIPLE
 from kvtool.engine.model_dir import parse_config
 from kvtool.engine.models import build_model
-from kvtool.engine.models.cpu_gemm import CpuLinear, pack_cpu_linears
+from kvtool.engine.models.cpu_gemm import CpuLinear, few_rows_multiple, pack_cpu_linears
+from kvtool.engine.models.layers import pad_rows_on_cpu
 from kvtool.engine.presets import PRESETS
 
 # (out, in) of q/k/v, o_proj, gate/up, down_proj and the LM head of the tiny preset, of the
@@ -111,3 +113,57 @@ def test_without_onednn_the_products_stay_f_linear(monkeypatch):
 def test_only_float32_weights_are_reordered():
     weight = torch.randn(8, 4, dtype=torch.bfloat16)
     assert CpuLinear(weight).reordered().weight is weight
+
+
+class _RoundsFewRowsOtherwise(CpuLinear):
+    """F.linear, but with its last bit changed while it multiplies fewer than `below` rows."""
+
+    def __init__(self, weight: torch.Tensor, below: int) -> None:
+        super().__init__(weight)
+        self.below = below
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.shape[0] < self.below else y
+
+
+def test_few_rows_take_the_first_multiple_whose_rows_match():
+    gen = torch.Generator().manual_seed(5)
+    w, other = torch.randn(32, 16, generator=gen), torch.randn(48, 16, generator=gen)  # one probe per shape
+    plain = CpuLinear(w)
+    assert few_rows_multiple([plain]) == 4
+    assert few_rows_multiple([plain, _RoundsFewRowsOtherwise(other, 8)]) == 8
+    assert few_rows_multiple([_RoundsFewRowsOtherwise(other, 9), plain]) == ROW_MULTIPLE
+    assert few_rows_multiple([_RoundsFewRowsOtherwise(w, 16)]) == ROW_MULTIPLE
+
+
+def test_the_chosen_multiple_gives_few_rows_the_bits_of_large_batches(threads):
+    """What the runner's packing picks for the embedded model's shapes holds for other inputs
+    and against a 1024-row product, and a step is padded to it."""
+    gen = torch.Generator().manual_seed(6)
+    products = [CpuLinear(torch.randn(out_features, in_features, generator=gen) * 0.05).reordered()
+                for out_features, in_features in SHAPES["smollm2-135m"]]
+    few = few_rows_multiple(products)
+    assert few in (4, 8, ROW_MULTIPLE)
+    for p in products:
+        x = torch.randn(MAX_ROWS, p.weight.shape[1], generator=gen)
+        whole = p(x)
+        assert all(torch.equal(p(x[:n]), whole[:n]) for n in range(few, ROW_MULTIPLE + 1, few))
+    assert pad_rows_on_cpu(torch.ones(1, 3), few).shape == (few, 3)
+    assert pad_rows_on_cpu(torch.ones(17, 3), few).shape == (2 * ROW_MULTIPLE, 3)
+
+
+def test_packing_sets_the_few_rows_multiple_except_on_tensor_parallel_ranks():
+    from kvtool.engine.tp_layout import TPRank
+
+    config = parse_config(PRESETS["tiny"].hf_config)
+    model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    assert model.model.few_rows_multiple == ROW_MULTIPLE  # before the runner packs it
+    moved = pack_cpu_linears(model)
+    products = [model.model.layers[0].self_attn.qkv_linear, model.model.layers[0].mlp.gate_up_linear, model.cpu_head]
+    assert model.model.few_rows_multiple == (few_rows_multiple(products) if moved else ROW_MULTIPLE)
+
+    shard = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    shard.tp = TPRank(2, 0)  # as a rank's shard says it is one (its shapes do not matter here)
+    pack_cpu_linears(shard)
+    assert shard.model.few_rows_multiple == ROW_MULTIPLE

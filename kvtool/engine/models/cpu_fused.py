@@ -68,13 +68,13 @@ def _attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor,
 
 
 def _layer_forward_rows(self: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        rows: torch.Tensor) -> torch.Tensor:
+                        rows: torch.Tensor, few: int) -> torch.Tensor:
     """DecoderLayer.forward_rows with attention and its output projection for `rows` only too
     (every row's K/V is still stored)."""
     attn = self.self_attn
     q, k, v = _qkv(attn, self.input_layernorm(h), cos, sin)
     a = attn.o_proj(attend_rows(attn.layer_idx, q, k, v, attn.scale, rows))
-    h = pad_rows_on_cpu(h.index_select(0, rows))
+    h = pad_rows_on_cpu(h.index_select(0, rows), few)
     h = h + a[: h.shape[0]]
     return h + self.mlp(self.post_attention_layernorm(h))
 

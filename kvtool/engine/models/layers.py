@@ -7,7 +7,9 @@ then cast, `x * cos + rotate_half(x) * sin`) so float32 logits match it to round
 On CPU a forward and the logits run on a multiple of ROW_MULTIPLE rows (zero-id padding rows,
 dropped from the result): BLAS computes few rows (1 to 3, with threads 5 to 7 or 9 to 11 on AVX2;
 1 to 15 on AVX-512 and AMX machines) with other kernels than the same rows inside a larger batch,
-so without it a request's bits would depend on how many requests it is batched with.
+so without it a request's bits would depend on how many requests it is batched with. A step of
+at most ROW_MULTIPLE rows goes to a multiple of the model's `few_rows_multiple` instead, which
+`cpu_gemm` lowers to 4 or 8 where the machine's products give such rows the bits of larger batches.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from kvtool.engine.models.parallel import RowParallelLinear, VocabParallelEmbedd
 from kvtool.engine.tp_layout import TPRank, split_range
 
 
-def pad_rows_on_cpu(x: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to a multiple of ROW_MULTIPLE along dim 0, on CPU; x elsewhere."""
-    extra = -x.shape[0] % ROW_MULTIPLE
+def pad_rows_on_cpu(x: torch.Tensor, few: int = ROW_MULTIPLE) -> torch.Tensor:
+    """x with zero rows appended along dim 0, on CPU (x elsewhere): up to a multiple of `few`
+    while it has at most ROW_MULTIPLE rows, else of ROW_MULTIPLE (`few` divides ROW_MULTIPLE)."""
+    n = x.shape[0]
+    extra = -n % (few if n <= ROW_MULTIPLE else ROW_MULTIPLE)
     if x.device.type != "cpu" or not extra:
         return x
     return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
@@ -152,17 +156,22 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                     few: int = ROW_MULTIPLE) -> torch.Tensor:
         """`forward` with only `rows` of the result wanted: attention runs on every row (it stores
-        their K/V), the residual and the MLP on `rows` only (padded on CPU). [T, hidden] ->
-        [len(rows) rounded up to ROW_MULTIPLE on CPU, hidden]; rows past len(rows) are padding."""
+        their K/V), the residual and the MLP on `rows` only (padded on CPU, `pad_rows_on_cpu`).
+        [T, hidden] -> [len(rows) padded on CPU, hidden]; rows past len(rows) are padding."""
         a = self.self_attn(self.input_layernorm(h), cos, sin)
-        h = pad_rows_on_cpu(h.index_select(0, rows) + a.index_select(0, rows))
+        h = pad_rows_on_cpu(h.index_select(0, rows) + a.index_select(0, rows), few)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
+
+    # On CPU, a step of at most ROW_MULTIPLE rows is padded to a multiple of this (`cpu_gemm`
+    # lowers it where the machine's products give those few rows the bits of larger batches).
+    few_rows_multiple = ROW_MULTIPLE
 
     def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank()) -> None:
         super().__init__()
@@ -181,14 +190,15 @@ class DecoderModel(nn.Module):
         ([S] long) those rows only, [S, hidden]: the last layer's MLP and the final norm then run
         on S rows instead of T (a prefill samples one row of its prompt)."""
         n = input_ids.shape[0] if rows is None else rows.shape[0]
-        input_ids, positions = pad_rows_on_cpu(input_ids), pad_rows_on_cpu(positions)
+        few = self.few_rows_multiple
+        input_ids, positions = pad_rows_on_cpu(input_ids, few), pad_rows_on_cpu(positions, few)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
         layers = self.layers if rows is None else self.layers[:-1]
         for layer in layers:
             h = layer(h, cos, sin)
         if rows is not None:
-            h = self.layers[-1].forward_rows(h, cos, sin, rows)
+            h = self.layers[-1].forward_rows(h, cos, sin, rows, few)
         return self.norm(h)[:n]
 
 
@@ -226,7 +236,7 @@ class CausalLM(nn.Module):
         """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
         decode graph takes its argmax from those and converts only when a sampler needs it)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.logits_linear(pad_rows_on_cpu(hidden), weight)[: hidden.shape[0]]
+        logits = self.logits_linear(pad_rows_on_cpu(hidden, self.model.few_rows_multiple), weight)[: hidden.shape[0]]
         if self.tp.size > 1:
             logits = gather_vocab(logits, self.config.vocab_size, self.tp)
         return logits.float() if as_float else logits
