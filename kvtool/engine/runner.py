@@ -20,7 +20,7 @@ so a pickled copy of every step's message drives it identically.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -552,16 +552,19 @@ def pack_step(
     copy it to the device once, and return views of it.
 
     Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
-    cu_q [P + 1] | cu_k [P + 1] | key slots [sum ctx] (only with a cached prefix) | sample rows |
-    decode launch order [B] | first tile slot of each decode row [B] (only with `tiles`: the
-    batch-invariant decode kernel's).
+    cu_q [P + 1] | cu_k [P + 1] | cumulative sampled rows [P + 1] | key slots [sum ctx] (only with
+    a cached prefix) | sample rows | decode launch order [B] | first tile slot of each decode row
+    [B] (only with `tiles`: the batch-invariant decode kernel's).
+
+    The batch's `sampled` batch is set when the step computes prefill rows it does not sample
+    and samples every decode row: its query rows are then the sample rows, in their order.
 
     The array goes through `staging`'s pinned buffers when given, else through a new pinned copy.
     """
     bs = block_size
     nd, width = rows.shape[0], rows.shape[1] - 4
     ids, pos, slots = [rows[:, 0]], [rows[:, 1]], [rows[:, 2]]
-    cu_q, cu_k, key_slots = [0], [0], []
+    cu_q, cu_k, cu_s, key_slots = [0], [0], [0], []
     has_prefix = any(s.start > 0 for s in prefill)
     sample_rows = [i for i, s in enumerate(decode) if s.sample]
     for s, t in zip(prefill, tables):
@@ -572,6 +575,7 @@ def pack_step(
         ctx_len = s.start + s.num_tokens
         cu_q.append(cu_q[-1] + s.num_tokens)
         cu_k.append(cu_k[-1] + ctx_len)
+        cu_s.append(cu_s[-1] + s.sample)
         if has_prefix:
             k = np.arange(ctx_len)
             key_slots.append(t[k // bs] * bs + k % bs)
@@ -579,7 +583,8 @@ def pack_step(
             sample_rows.append(nd + cu_q[-1] - 1)
     order = longest_first(rows[:, 3])
     bases, num_tiles = tile_bases(rows[:, 3]) if tiles else (np.zeros(0, dtype=np.int32), 0)
-    segments = [ids, pos, slots, [rows[:, 3]], [rows[:, 4:]], [cu_q], [cu_k], key_slots, [sample_rows], [order], [bases]]
+    segments = [ids, pos, slots, [rows[:, 3]], [rows[:, 4:]], [cu_q], [cu_k], [cu_s], key_slots, [sample_rows], [order],
+                [bases]]
     flat = [np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in seg] or [np.zeros(0, np.int32)])
             for seg in segments]
     # Every segment starts 16 bytes aligned: Triton specializes kernels on their pointers' alignment,
@@ -593,7 +598,7 @@ def pack_step(
     else:
         dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
     views = [dev[at : at + len(f)] for f, at in zip(flat, starts)]
-    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_keys, d_sample, d_order, d_bases = views
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_cu_s, d_keys, d_sample, d_order, d_bases = views
     pre = None
     if prefill:
         pre = PrefillBatch(
@@ -615,5 +620,8 @@ def pack_step(
         tile_base=d_bases if tiles else None,
         num_tiles=num_tiles,
     )
+    if prefill and len(sample_rows) < nd + cu_q[-1] and all(s.sample for s in decode):
+        batch.sampled = replace(
+            batch, prefill=replace(pre, cu_q=d_cu_s, max_q=1) if cu_s[-1] else None)
     written = np.concatenate(slots) // bs
     return PackedStep(d_ids, d_pos, batch, d_sample, written)

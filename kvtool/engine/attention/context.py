@@ -80,6 +80,11 @@ class DeviceBatch:
     # and the tile slots to allocate; None: the split-KV kernel of `triton_ops`.
     tile_base: torch.Tensor | None = None
     num_tiles: int = 0
+    # The same step with its sampled rows alone as queries (every decode row, then the last row
+    # of each prefill sequence that samples), for the last layer: only those rows of it are
+    # needed past storing every new token's K/V. Its slot_mapping is this batch's (all T new
+    # tokens). None where the step has no such batch (`pack_step` says when).
+    sampled: DeviceBatch | None = None
 
 
 # Tokens per tile of the batch-invariant decode kernel (`triton_tiles`).
