@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kvtool.engine.attention import attend, current_metadata
+from kvtool.engine.attention import attend, attend_rows, current_metadata
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.parallel import RowParallelLinear
@@ -271,18 +271,35 @@ def rotate_qkv(
     )
 
 
-def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    qkv = qkv_projection(self, x)
-    # The new K/V go straight into the pages from the rope kernel; a connector's layer hook runs
-    # first (a layerwise load of this layer lands before the store) and after the attention.
+def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k, v, whether k/v are in the pages) of x: the new K/V go straight into the pages from
+    the rope kernel on the CUDA backend, after a connector's layer hook (a layerwise load of this
+    layer lands before the store); `attend` calls the hook after the attention."""
+    qkv = qkv_projection(attn, x)
     meta = current_metadata()
     db = meta.device_batch
     into_pages = db is not None
     if into_pages and meta.hooks is not None:
-        meta.hooks.before_layer(self.layer_idx)
-    q, k, v = rotate_qkv(self, qkv, cos, sin, meta.kv_pages.tensor if into_pages else None,
+        meta.hooks.before_layer(attn.layer_idx)
+    q, k, v = rotate_qkv(attn, qkv, cos, sin, meta.kv_pages.tensor if into_pages else None,
                          db.slot_mapping if into_pages else None)
+    return q, k, v, into_pages
+
+
+def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    q, k, v, into_pages = _rotated_into_pages(self, x, cos, sin)
     return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
+
+
+def attention_rows(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
+    """The attention block of x [T, hidden] for `rows` only ([S] long, the step's sample rows):
+    every row's K/V stored, attention and o_proj for `rows`. Returns [S, hidden]."""
+    q, k, v, into_pages = _rotated_into_pages(attn, x, cos, sin)
+    out = attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, kv_stored=into_pages)
+    if out.shape[0] == 0:  # no product (nor a tensor-parallel all-reduce) of no rows
+        return x[:0]
+    return _project_out(attn.o_proj, out)
 
 
 def decoder_input(model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -314,12 +331,31 @@ def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, position
                            rows: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder loop with each residual add fused into the RMSNorm that follows it (the
     layers' own norms and the final one): two kernels fewer per layer, the same rounding.
-    Every row is computed: `rows` (DecoderModel's sampled-rows path) is for the CPU only."""
-    assert rows is None, "the fused CUDA decoder computes every row"
+
+    With `rows` ([S] long: the step's sample rows, whose batch the step's `DeviceBatch.sampled`
+    describes) the last layer stores every row's K/V and computes the rest for those rows alone,
+    and the result is theirs, [S, hidden]: a prefill of N tokens samples one, so N - 1 rows of the
+    last layer's attention, o_proj and MLP are skipped (a chunk that samples nothing skips them
+    all). Each of those kernels computes a row the same way whatever rows come with it, so the
+    sampled rows keep their bits."""
     h, x, cos, sin = decoder_input(self, input_ids, positions)
+    last = len(self.layers) - 1
     for i, layer in enumerate(self.layers):
-        h, x = layer_output(self, i, h, layer.self_attn(x, cos, sin))
+        if i == last and rows is not None:
+            attn_out = attention_rows(layer.self_attn, x, cos, sin, rows)
+            if rows.shape[0] == 0:
+                return attn_out
+            h = h.index_select(0, rows)
+        else:
+            attn_out = layer.self_attn(x, cos, sin)
+        h, x = layer_output(self, i, h, attn_out)
     return x
+
+
+def computes_sampled_rows(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes the sample rows of a CUDA step (`_fused_decoder_forward`)."""
+    decoder = getattr(model, "model", None)
+    return getattr(decoder, "fused_decoder", False) and hasattr(decoder.layers[-1].self_attn, "qkv_weight")
 
 
 def can_fuse(model: nn.Module) -> bool:

@@ -197,6 +197,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
+        # CUDA: whether the model computes the last layer for a step's sampled rows alone.
+        self.sampled_rows_only = False
         if self.backend == "cuda":
             self._setup_cuda(use_cuda_graphs, use_fused_ops)
         elif device.type == "cpu":
@@ -206,13 +208,14 @@ class ModelRunner:
 
     def _setup_cuda(self, use_cuda_graphs: bool, use_fused_ops: bool) -> None:
         from kvtool.engine.attention.triton_ops import choose_num_splits
-        from kvtool.engine.fused_ops import apply_fused_ops, can_fuse
+        from kvtool.engine.fused_ops import apply_fused_ops, can_fuse, computes_sampled_rows
         from kvtool.engine.row_invariant_gemm import row_invariant_gemms
 
         self._row_invariant = row_invariant_gemms
 
         if use_fused_ops and can_fuse(self.model):
             apply_fused_ops(self.model)
+            self.sampled_rows_only = computes_sampled_rows(self.model)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         num_kv_heads = self.kv_pages.geometry.num_kv_heads
         self.num_splits_for = lambda batch, max_context: choose_num_splits(batch, num_kv_heads, max_context, num_sms)
@@ -257,9 +260,11 @@ class ModelRunner:
             meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
                                      device_batch=step.batch)
             with attention_context(meta), self._row_invariant(True):
-                hidden = self.model(step.input_ids, step.positions)
+                hidden = self._forward_rows(step)
+            if hidden.shape[0] != step.sample_rows.shape[0]:
+                hidden = hidden.index_select(0, step.sample_rows)
             with self._row_invariant(self.batch_invariant):
-                self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+                self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -438,7 +443,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)
         else:
             with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
-                hidden = self.model(step.input_ids, step.positions)
+                hidden = self._forward_rows(step)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
             return None
@@ -447,6 +452,14 @@ class ModelRunner:
         with self._row_invariant(invariant):
             logits = self.model.compute_logits(hidden)
         return self._sample(sampled, logits)
+
+    def _forward_rows(self, step: PackedStep) -> torch.Tensor:
+        """The model's forward of a packed step (inside its attention context): the final hidden
+        states of every row [T, hidden], or of the sample rows alone [S, hidden] where the model
+        and the step allow it (the last layer then computes those rows only)."""
+        if self.sampled_rows_only and step.batch.sampled is not None:
+            return self.model(step.input_ids, step.positions, step.sample_rows)
+        return self.model(step.input_ids, step.positions)
 
     def _is_prompt_row(self, s: ScheduledRequest) -> bool:
         """Whether the step's tokens for `s` start inside its prompt."""

@@ -369,6 +369,32 @@ def test_async_scheduling_equals_sync(cuda_engine, graphs):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_last_layer_for_the_sampled_rows_alone_keeps_every_token(cuda_engine, graphs):
+    """The runner has the model compute the last layer for a step's sampled rows alone: chunked
+    prompts (chunks that sample nothing), prompts beside decode rows and prompts alone give the
+    tokens and logprobs of an engine computing every row."""
+    prompts = [prompt(300 + 97 * i, seed=i) for i in range(6)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs, taken = [], {False: [], True: []}  # rows passed to the decoder per forward (-1: every row)
+    for rows_only in (False, True):
+        engine = cuda_engine(graphs=graphs, max_num_batched_tokens=256, enable_prefix_caching=False)
+        assert engine.runner.sampled_rows_only
+        engine.runner.sampled_rows_only = rows_only
+        decoder = engine.runner.model.model
+        forward = decoder.forward
+        seen = taken[rows_only]
+        decoder.forward = lambda ids, pos, rows=None: seen.append(-1 if rows is None else rows.shape[0]) \
+            or forward(ids, pos, rows)
+        runs.append([(r.output_token_ids, r.logprobs) for r in engine.generate(prompts, sp)])
+        runs.append([(r.output_token_ids, r.logprobs) for r in (engine.generate([p], sp)[0] for p in prompts[:2])])
+        decoder.forward = forward
+    assert runs[2:] == runs[:2]
+    assert set(taken[False]) == {-1}
+    assert {0, 1} <= set(taken[True])  # chunks that sample nothing, a prompt's last chunk alone
+    assert any(n > 1 for n in taken[True])  # beside decode rows
+
+
 def test_seeded_sampling_is_reproducible_on_the_device(cuda_engine):
     """Sampling runs on the device: the same seed gives the same tokens (alone, and in the same
     batch again), and an unseeded request follows the engine's --seed. (Across different batches

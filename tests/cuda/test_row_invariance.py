@@ -233,6 +233,71 @@ def test_hopper_prefill_bits_do_not_depend_on_its_schedule(monkeypatch):
             assert torch.equal(out, shipped), (stages, turns)
 
 
+def test_the_last_layer_of_the_sampled_rows_alone_gives_their_bits(tmp_path):
+    """The fused forward with a step's sample rows computes the last layer (past storing every
+    row's K/V) for those rows only: their final hidden states equal the full forward's bit for
+    bit, and the pages hold the same K/V, for prompts alone, beside a chunk that samples nothing,
+    over a cached prefix, beside decode rows (both decode kernels), and for a step that samples
+    nothing at all. Qwen3-0.6B's shapes with random weights."""
+    from kvtool.engine.attention import AttentionMetadata, attention_context, select_backend
+    from kvtool.engine.fused_ops import apply_fused_ops, computes_sampled_rows
+    from kvtool.engine.kv_pages import KVGeometry, KVPages
+    from kvtool.engine.messages import ScheduledRequest
+    from kvtool.engine.model_dir import open_model_dir
+    from kvtool.engine.models import build_model
+    from kvtool.engine.presets import create_model_dir
+    from kvtool.engine.row_invariant_gemm import row_invariant_gemms
+    from kvtool.engine.runner import decode_rows, pack_step
+
+    create_model_dir(tmp_path / "m", preset="qwen3-0.6b", config_only=True)
+    cfg = open_model_dir(tmp_path / "m").config
+    model = build_model(cfg, DEV, torch.bfloat16, "dummy", 3)
+    apply_fused_ops(model)
+    assert computes_sampled_rows(model)
+    assert select_backend(DEV, torch.bfloat16, cfg.head_dim) == "cuda"
+    bs = 16
+    geo = KVGeometry(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     block_size=bs, dtype="bfloat16")
+    pages = KVPages(geo, 512, DEV)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    before = (torch.randn(pages.tensor.shape, generator=g, device=DEV) * 0.5).to(pages.tensor.dtype)
+    rng = np.random.default_rng(0)
+
+    def req(rid, n, start, sample):
+        ids = [int(x) for x in rng.integers(1, cfg.vocab_size, n)]
+        return ScheduledRequest(request_id=rid, token_ids=ids, start=start, new_block_ids=[], sample=sample)
+
+    def run(decode, prefill, tiles, rows):
+        pages.tensor.copy_(before)
+        d_tables = [np.arange(20 * i, 20 * i + 20, dtype=np.int32) for i in range(len(decode))]
+        p_tables = [np.arange(200 + 100 * j, 300 + 100 * j, dtype=np.int32) for j in range(len(prefill))]
+        step = pack_step(decode, decode_rows(decode, d_tables, bs), prefill, p_tables, bs, DEV, 4, tiles)
+        meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                 device_batch=step.batch)
+        with torch.inference_mode(), attention_context(meta), row_invariant_gemms(True):
+            if rows:
+                assert step.batch.sampled is not None
+                hidden = model(step.input_ids, step.positions, step.sample_rows)
+            else:
+                hidden = model(step.input_ids, step.positions).index_select(0, step.sample_rows)
+        return hidden, pages.tensor.clone()
+
+    cases = {
+        "one prompt": ([], [req("a", 1500, 0, True)]),
+        "beside a chunk": ([], [req("a", 700, 0, True), req("b", 300, 0, False)]),
+        "over a prefix": ([], [req("b", 300, 100, False), req("a", 900, 555, True)]),
+        "beside decode rows": ([req("d0", 1, 40, True), req("d1", 1, 300, True), req("d2", 1, 7, True)],
+                               [req("a", 1100, 0, True), req("c", 60, 0, False)]),
+        "nothing sampled": ([], [req("b", 400, 0, False)]),
+    }
+    for name, (decode, prefill) in cases.items():
+        for tiles in (False, True):
+            full, full_pages = run(decode, prefill, tiles, rows=False)
+            part, part_pages = run(decode, prefill, tiles, rows=True)
+            assert part.shape == full.shape and torch.equal(part, full), (name, tiles)
+            assert torch.equal(part_pages, full_pages), (name, tiles)
+
+
 def _offload(**extra):
     from kvtool.engine.connectors.config import parse_kv_transfer_config
 

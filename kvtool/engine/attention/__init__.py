@@ -9,8 +9,10 @@ imports); the runner then builds the step's metadata for that backend, and
 `attend` follows the metadata: a `device_batch` means the CUDA kernels; none means torch's
 flash kernel on CPU (`cpu_flash`), or the reference (gather + SDPA per sequence) elsewhere.
 
-On CPU the last layer calls `attend_rows` with the step's sampled rows: it stores every new
-token's k/v and attends for those rows alone (the rest of the layer only needs theirs).
+The last layer calls `attend_rows` with the step's sampled rows: it stores every new token's
+k/v and attends for those rows alone (the rest of the layer only needs theirs). On CUDA the
+step's `DeviceBatch.sampled` describes those rows to the kernels; each row keeps its bits, since
+no kernel's row depends on the rows computed with it.
 
 On CPU the model may pad the step to a multiple of ROW_MULTIPLE rows (BLAS computes fewer rows
 with other kernels, see `cpu_flash`); rows past the step's tokens are never stored and attend to
@@ -92,16 +94,26 @@ def attend(
     return out.reshape(out.shape[0], -1)
 
 
-def attend_rows(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor) -> torch.Tensor:
-    """`attend` with only the query rows `rows` ([S] long) wanted, on CPU (float32 pages): stores
-    every new token's k/v, attends for `rows` alone. Returns [S rounded up to ROW_MULTIPLE, Hq * D],
-    zero past S."""
+def attend_rows(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor,
+    kv_stored: bool = False,
+) -> torch.Tensor:
+    """`attend` with only the query rows `rows` ([S] long) wanted: stores every new token's k/v
+    (unless `kv_stored`, as for `attend`), attends for `rows` alone. On CPU (float32 pages)
+    returns [S rounded up to ROW_MULTIPLE, Hq * D], zero past S; on CUDA [S, Hq * D], where
+    `rows` must be the step's sample rows (the rows of its `DeviceBatch.sampled`)."""
     meta = current_metadata()
-    if meta.hooks is not None:
+    if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
-    n = meta.slot_block_ids.numel()
-    meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
-    out = cpu_flash_rows(meta, layer, q, rows, scale)
+    db = meta.device_batch
+    if db is not None:
+        if db.sampled is None:
+            raise RuntimeError("attend_rows on CUDA needs the step's batch of its sampled rows")
+        out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled)
+    else:
+        n = meta.slot_block_ids.numel()
+        meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
+        out = cpu_flash_rows(meta, layer, q, rows, scale)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], q.shape[1] * q.shape[2])

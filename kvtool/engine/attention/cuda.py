@@ -13,18 +13,21 @@ from __future__ import annotations
 import torch
 
 from kvtool.engine.attention import triton_ops
-from kvtool.engine.attention.context import AttentionMetadata
+from kvtool.engine.attention.context import AttentionMetadata, DeviceBatch
 from kvtool.engine.attention.prefill import prefill_attention
 from kvtool.engine.attention.triton_tiles import paged_decode_tiles
 
 
 def cuda_attention(
     meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-    kv_stored: bool = False, out: torch.Tensor | None = None,
+    kv_stored: bool = False, out: torch.Tensor | None = None, batch: DeviceBatch | None = None,
 ) -> torch.Tensor:
     """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
-    Returns [T, Hq, D]: `out` when given, else a new tensor."""
-    db = meta.device_batch
+    Returns [T, Hq, D]: `out` when given, else a new tensor.
+
+    `batch` (default: the step's) says which rows q holds: the step's `sampled` batch takes q of
+    the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D]."""
+    db = meta.device_batch if batch is None else batch
     pages = meta.kv_pages.tensor
     if not kv_stored:
         triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
