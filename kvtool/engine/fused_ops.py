@@ -4,7 +4,8 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
 `apply_fused_ops(model)`, which, module by module:
 
 * RMSNorm: one Triton kernel instead of seven eager ops, and the residual add before each norm
-  in the same kernel (the decoder loop is replaced by one that carries the residual);
+  in the same kernel (the decoder loop is replaced by one that carries the residual, and that
+  computes the last layer for a step's sampled rows alone when the runner passes them);
 * attention (Llama and Qwen3): q/k/v projections as one GEMM over a concatenated weight (the
   three parameters become views of it), then one kernel that splits q/k/v, applies Qwen3's
   per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels), and k, v
