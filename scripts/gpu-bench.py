@@ -6,7 +6,8 @@ Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
   kernels     Triton split-KV decode (TB/s of K+V read); kvtool's prefill kernel (on Hopper the Gluon
               one) and the Triton one, causal and over a cached prefix, beside cuDNN SDPA (TFLOP/s)
-  prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k, and HF transformers on the same shapes
+  prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k (the last layer for the sampled row alone, the
+              default, and for every row, alternating), and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
               without `layerwise`; cold prefills storing to the tier with and without layerwise saves
   hit-layers  Qwen3-8B full hits at 8k/16k/24k/32k, whole-block loads against loads in groups of
@@ -199,14 +200,27 @@ def section_prefill():
     engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768,
                          num_gpu_blocks=2200, max_model_len=40960)
     engine.generate([tokens(512, 99)], one)  # warm-up: Triton compiles, cuBLAS handles
+    # The last layer for the sampled row alone (the default) against every row, alternating on
+    # one engine; both must give the same token (tests/cuda compare the bits).
+    runner = engine.runner
+    default = runner.sampled_rows_only
+    arms = {"": default, ", last layer for every row": False} if default else {"": False}
     for n in lengths:
-        times = []
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
         for rep in range(4 if n < 32768 else 3):
-            r = engine.generate([tokens(n, rep)], one)[0]
-            times.append(r.stats.ttft_s * 1e3)
-        ms = statistics.median(times[1:])
-        record("prefill", f"Qwen3-8B cold prefill TTFT {n // 1024}k", ms, "ms", prefill_floor_ms(n),
-               runs_ms=[round(t, 2) for t in times], hf_ms=hf_ms.get(n), beats_hf=bool(hf_ms.get(n) and ms < hf_ms[n]))
+            outputs = []
+            for arm, rows_only in arms.items():
+                runner.sampled_rows_only = rows_only
+                r = engine.generate([tokens(n, rep)], one)[0]
+                times[arm].append(r.stats.ttft_s * 1e3)
+                outputs.append(r.output_token_ids)
+            assert outputs[0] == outputs[-1], (n, rep)
+        for arm in arms:
+            ms = statistics.median(times[arm][1:])
+            record("prefill", f"Qwen3-8B cold prefill TTFT {n // 1024}k{arm}", ms, "ms", prefill_floor_ms(n),
+                   runs_ms=[round(t, 2) for t in times[arm]], hf_ms=hf_ms.get(n),
+                   beats_hf=bool(hf_ms.get(n) and ms < hf_ms[n]))
+    runner.sampled_rows_only = default
     engine.close()
 
 
