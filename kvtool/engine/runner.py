@@ -260,9 +260,7 @@ class ModelRunner:
             meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
                                      device_batch=step.batch)
             with attention_context(meta), self._row_invariant(True):
-                hidden = self._forward_rows(step)
-            if hidden.shape[0] != step.sample_rows.shape[0]:
-                hidden = hidden.index_select(0, step.sample_rows)
+                hidden = self._sampled_hidden(step)
             with self._row_invariant(self.batch_invariant):
                 self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
@@ -440,26 +438,25 @@ class ModelRunner:
         self._order_page_writes(step.written_blocks)
         invariant = self.batch_invariant
         if self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1:
-            hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)
+            hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)  # its one row
         else:
             with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
-                hidden = self._forward_rows(step)
+                hidden = self._sampled_hidden(step)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
             return None
-        if len(sampled) != hidden.shape[0]:
-            hidden = hidden.index_select(0, step.sample_rows)
         with self._row_invariant(invariant):
             logits = self.model.compute_logits(hidden)
         return self._sample(sampled, logits)
 
-    def _forward_rows(self, step: PackedStep) -> torch.Tensor:
+    def _sampled_hidden(self, step: PackedStep) -> torch.Tensor:
         """The model's forward of a packed step (inside its attention context): the final hidden
-        states of every row [T, hidden], or of the sample rows alone [S, hidden] where the model
-        and the step allow it (the last layer then computes those rows only)."""
+        states of its sample rows, [S, hidden]. Where the model and the step allow it, the last
+        layer computes those rows alone; otherwise every row, then the sample rows are taken."""
         if self.sampled_rows_only and step.batch.sampled is not None:
             return self.model(step.input_ids, step.positions, step.sample_rows)
-        return self.model(step.input_ids, step.positions)
+        hidden = self.model(step.input_ids, step.positions)
+        return hidden if hidden.shape[0] == step.sample_rows.shape[0] else hidden.index_select(0, step.sample_rows)
 
     def _is_prompt_row(self, s: ScheduledRequest) -> bool:
         """Whether the step's tokens for `s` start inside its prompt."""
