@@ -61,6 +61,22 @@ def test_the_product_is_f_linear_to_rounding_with_bias_and_strided_rows():
     assert linear(x[:0]).shape == (0, 96)
 
 
+def _logits(model, config, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for a prompt of `ids` (one sequence, fresh pages)."""
+    from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_context
+    from kvtool.engine.kv_pages import KVGeometry, KVPages
+
+    n = ids.numel()
+    g = KVGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                   block_size=16, dtype="float32")
+    pages = KVPages(g, -(-n // 16), torch.device("cpu"))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(kv_pages=pages, seqs=[SeqSpan(q_start=0, q_len=n, ctx_len=n, block_ids=torch.arange(-(-n // 16)))],
+                             slot_block_ids=pos // 16, slot_offsets=pos % 16)
+    with torch.inference_mode(), attention_context(meta):
+        return model.compute_logits(model(ids, pos))
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
     config = parse_config(dict(PRESETS["tiny"].hf_config, tie_word_embeddings=tied))
@@ -70,17 +86,7 @@ def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
     embedding = model.model.embed_tokens.weight.clone()
 
     def logits():
-        from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_context
-        from kvtool.engine.kv_pages import KVGeometry, KVPages
-
-        g = KVGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                       block_size=16, dtype="float32")
-        pages = KVPages(g, 4, torch.device("cpu"))
-        pos = torch.arange(48)
-        meta = AttentionMetadata(kv_pages=pages, seqs=[SeqSpan(q_start=0, q_len=48, ctx_len=48, block_ids=torch.arange(3))],
-                                 slot_block_ids=pos // 16, slot_offsets=pos % 16)
-        with torch.inference_mode(), attention_context(meta):
-            return model.compute_logits(model(ids, pos))
+        return _logits(model, config, ids)
 
     before = logits()
     moved = pack_cpu_linears(model)
@@ -103,9 +109,14 @@ def test_without_onednn_the_products_stay_f_linear(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     config = parse_config(PRESETS["tiny"].hf_config)
     model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    before = _logits(model, config, ids)
     assert pack_cpu_linears(model) == 0
+    assert torch.equal(_logits(model, config, ids), before)  # the same F.linear products, now through CpuLinear
     attn = model.model.layers[0].self_attn
     assert not attn.qkv_linear.packed and attn.q_proj.weight.numel() > 0
+    assert not attn.o_proj.cpu_linear.packed and attn.o_proj.weight.numel() > 0 and not model.cpu_head.packed
+    assert model.model.few_rows_multiple == ROW_MULTIPLE
     weight = torch.randn(8, 4)
     assert CpuLinear(weight).reordered().weight is weight
 
@@ -160,7 +171,8 @@ def test_packing_sets_the_few_rows_multiple_except_on_tensor_parallel_ranks():
     model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
     assert model.model.few_rows_multiple == ROW_MULTIPLE  # before the runner packs it
     moved = pack_cpu_linears(model)
-    products = [model.model.layers[0].self_attn.qkv_linear, model.model.layers[0].mlp.gate_up_linear, model.cpu_head]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    products = [attn.qkv_linear, attn.o_proj.cpu_linear, mlp.gate_up_linear, mlp.down_proj.cpu_linear, model.cpu_head]
     assert model.model.few_rows_multiple == (few_rows_multiple(products) if moved else ROW_MULTIPLE)
 
     shard = build_model(config, "cpu", torch.float32, "dummy", seed=4)

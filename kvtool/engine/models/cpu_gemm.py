@@ -95,30 +95,30 @@ def _pack_fused(module: nn.Module, attr: str, parts: list[nn.Linear]) -> int:
 
 
 def _pack_projection(linear: nn.Linear) -> int:
-    """Reorder an o_proj or down_proj (a row-parallel one keeps its all-reduce and its bias after it)."""
+    """Route an o_proj or down_proj through its `cpu_linear`, reordered where possible (a
+    row-parallel one keeps its all-reduce and its bias after it)."""
     if getattr(linear, "cpu_linear", None) is not None:
         return 0
     row_parallel = isinstance(linear, RowParallelLinear)
-    packed = CpuLinear(linear.weight, None if row_parallel else linear.bias).reordered()
-    if not packed.packed:
-        return 0
-    linear.cpu_linear = packed
+    linear.cpu_linear = CpuLinear(linear.weight, None if row_parallel else linear.bias).reordered()
     linear.forward = types.MethodType(_row_parallel_forward if row_parallel else _projection_forward, linear)
+    if not linear.cpu_linear.packed:
+        return 0
     _free(linear.weight)
     return 1
 
 
 def _pack_head(lm: nn.Module) -> int:
-    """Reorder the LM head (`CausalLM.logits_linear(hidden, weight)` then ignores the weight it is given)."""
+    """Route the LM head through `cpu_head`, reordered where possible (`CausalLM.logits_linear(hidden,
+    weight)` then ignores the weight it is given: the head's own, or its freed placeholder)."""
     if getattr(lm, "cpu_head", None) is not None:
         return 0
     tied = lm.lm_head is None
-    head = CpuLinear(lm.model.embed_tokens.weight if tied else lm.lm_head.weight).reordered()
+    head = lm.cpu_head = CpuLinear(lm.model.embed_tokens.weight if tied else lm.lm_head.weight).reordered()
+    lm.logits_linear = lambda hidden, weight: head(hidden)
     if not head.packed:
         return 0
-    lm.cpu_head = head
-    lm.logits_linear = lambda hidden, weight: head(hidden)
-    if not tied:
+    if not tied:  # a tied head is the embedding, which stays
         _free(lm.lm_head.weight)
     return 1
 
@@ -135,16 +135,14 @@ def pack_cpu_linears(model: nn.Module) -> int:
         if isinstance(module, LlamaAttention) and hasattr(module, "qkv_linear"):
             moved += _pack_fused(module, "qkv_linear", [module.q_proj, module.k_proj, module.v_proj])
             moved += _pack_projection(module.o_proj)
-            products += [module.qkv_linear, _product(module.o_proj)]
+            products += [module.qkv_linear, module.o_proj.cpu_linear]
         elif isinstance(module, GatedMLP) and hasattr(module, "gate_up_linear"):
             moved += _pack_fused(module, "gate_up_linear", [module.gate_proj, module.up_proj])
             moved += _pack_projection(module.down_proj)
-            products += [module.gate_up_linear, _product(module.down_proj)]
+            products += [module.gate_up_linear, module.down_proj.cpu_linear]
         elif isinstance(module, CausalLM):
             moved += _pack_head(module)
-            head = getattr(module, "cpu_head", None)
-            products.append(head if head is not None else
-                            CpuLinear(module.model.embed_tokens.weight if module.lm_head is None else module.lm_head.weight))
+            products.append(module.cpu_head)
     tp = getattr(model, "tp", None)
     if moved and (tp is None or tp.size == 1):
         few = few_rows_multiple(products)
@@ -152,12 +150,6 @@ def pack_cpu_linears(model: nn.Module) -> int:
             if isinstance(decoder, DecoderModel):
                 decoder.few_rows_multiple = few
     return moved
-
-
-def _product(linear: nn.Linear) -> CpuLinear:
-    """The product an o_proj or down_proj computes (before a row-parallel one's all-reduce)."""
-    cpu = getattr(linear, "cpu_linear", None)
-    return cpu if cpu is not None else CpuLinear(linear.weight, None if isinstance(linear, RowParallelLinear) else linear.bias)
 
 
 def few_rows_multiple(products: list[CpuLinear]) -> int:
