@@ -16,7 +16,9 @@ Sections:
   decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
-              local recv_into/sendall server in a separate process
+              local in-memory server in a separate process (tests/memory_lm_server.py); beside it,
+              in the same run, the client's socket reads alone (1 and 4 reader processes, no
+              engine, no GPU copy)
 
 Every result is one JSON line in --out (metric, value, unit, floor, ratio, command details) and
 one row of the table printed at the end. Models are presets built from their configs with dummy
@@ -28,13 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -465,77 +464,95 @@ def section_throughput():
 
 # ---- lm:// --------------------------------------------------------------------------------------
 
-_REQ = struct.Struct("<9i150s")
-_REP = struct.Struct("<9i")
+MEMORY_LM_SERVER = REPO / "tests" / "memory_lm_server.py"
 
 
-def serve_lm(port: int) -> None:
-    """A minimal lm:// server: PUT / GET / EXIST / HEALTH, thread per connection, recv_into."""
-    store: dict[bytes, tuple[tuple, memoryview]] = {}
-    lock = threading.Lock()
+def start_memory_lm_server() -> tuple[subprocess.Popen, int]:
+    """The in-memory lm:// server the CUDA tests use (LMCache's own cannot be installed on the GPU
+    machine), in a process of its own; returns it and the port it printed."""
+    server = subprocess.Popen([sys.executable, str(MEMORY_LM_SERVER)], stdout=subprocess.PIPE, text=True)
+    return server, int(server.stdout.readline())
 
-    def recv_exact(conn, view):
-        got = 0
-        while got < len(view):
-            k = conn.recv_into(view[got:], len(view) - got)
-            if k == 0:
-                raise ConnectionError
-            got += k
 
-    def handle(conn):
-        head = bytearray(_REQ.size)
-        try:
-            while True:
-                recv_exact(conn, memoryview(head))
-                cmd, length, fmt, dtype, loc, s0, s1, s2, s3, key = _REQ.unpack(head)
-                key = key.rstrip(b" ")
-                if cmd == 1:  # PUT
-                    buf = bytearray(length)
-                    recv_exact(conn, memoryview(buf))
-                    with lock:
-                        store[key] = ((fmt, dtype, s0, s1, s2, s3), memoryview(buf))
-                elif cmd == 2:  # GET
-                    with lock:
-                        hit = store.get(key)
-                    if hit is None:
-                        conn.sendall(_REP.pack(400, 0, 0, 0, 0, 0, 0, 0, 0))
-                    else:
-                        (f, dt, a, b, c, e), data = hit
-                        conn.sendall(_REP.pack(200, len(data), f, dt, a, b, c, e, 0))
-                        conn.sendall(data)
-                elif cmd == 3:
-                    with lock:
-                        found = key in store
-                    conn.sendall(_REP.pack(200 if found else 400, 0, 0, 0, 0, 0, 0, 0, 0))
-                elif cmd == 5:
-                    conn.sendall(_REP.pack(200, 0, 0, 0, 0, 0, 0, 0, 0))
-                else:
-                    return
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            conn.close()
+def raw_key(i: int) -> str:
+    """The key of the i-th chunk the socket-reads baseline stores."""
+    return f"gpu-bench-raw@1@0@{i:x}@bfloat16"
 
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", port))
-    srv.listen(64)
-    while True:
-        c, _ = srv.accept()
-        threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+def read_lm(port: int, length: int, first: int, step: int, chunks: int) -> None:
+    """A reader of its own process: the lm:// client's socket reads (`connection.Connection`)
+    with no engine, no other thread and no copy to the GPU. On each line of stdin it GETs the
+    chunks first, first + step, ... (< chunks) into one buffer, every request sent at once, and
+    prints the round's monotonic start and end."""
+    from kvtool.engine.connectors.lmcache.connection import Connection
+    from kvtool.engine.connectors.lmcache.protocol import Command, pack_request
+
+    conn = Connection("127.0.0.1", port)
+    payload = memoryview(bytearray(length))
+    mine = range(first, chunks, step)
+    requests = b"".join(pack_request(Command.GET, raw_key(i)) for i in mine)
+    for _ in sys.stdin:
+        t0 = time.monotonic()
+        deadline = t0 + 60.0
+        conn.send(deadline, requests)
+        for _ in mine:
+            reply = conn.recv_reply(deadline)
+            assert (reply.code, reply.length) == (200, length), reply
+            conn.recv_into(payload, deadline)
+        print(json.dumps([t0, time.monotonic()]), flush=True)
+
+
+def socket_reads_alone(port: int, conns: int, length: int, chunks: int) -> list[float]:
+    """What the socket reads alone reach on this host, in the same run: `conns` reader processes
+    (no GIL between them) GET the `chunks` stored chunks of `length` bytes, striped between
+    them; a warm-up round, then LM_RUNS; GB/s of each round."""
+    readers = [subprocess.Popen([sys.executable, __file__, "--read-lm", str(port), str(length), str(g), str(conns),
+                                 str(chunks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for g in range(conns)]
+    try:
+        rates = []
+        for _ in range(1 + LM_RUNS):
+            for r in readers:
+                r.stdin.write("go\n")
+                r.stdin.flush()
+            spans = [json.loads(r.stdout.readline()) for r in readers]
+            rates.append(chunks * length / (max(e for _, e in spans) - min(b for b, _ in spans)) / 1e9)
+        return rates[1:]
+    finally:
+        for r in readers:
+            r.kill()
+
+
+def put_raw(port: int, length: int, chunks: int) -> None:
+    """Store `chunks` chunks of `length` random bytes, each in memory of its own on the server,
+    as the engine's chunks are."""
+    import torch
+
+    from kvtool.engine.connectors.lmcache.client import LMClient
+    from kvtool.engine.connectors.lmcache.wire import kv_chunk_header
+
+    payload = os.urandom(length)
+    header = kv_chunk_header((2, 1, 1, length // 4), torch.bfloat16)
+    with LMClient("127.0.0.1", port, connections=1) as client:
+        assert client.put_many([(raw_key(i), payload, header) for i in range(chunks)]) == [True] * chunks
 
 
 def section_lm():
     from kvtool.engine.connectors.config import parse_kv_transfer_config
     from kvtool.engine.params import SamplingParams
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    server = subprocess.Popen([sys.executable, __file__, "--serve-lm", str(port)])
+    server, port = start_memory_lm_server()
     try:
-        time.sleep(1.0)
+        # One chunk of 256 Qwen3-8B tokens, as the engine's loads below move 32 of.
+        chunk_bytes = 2 * 36 * 256 * 8 * 128 * 2
+        put_raw(port, chunk_bytes, 32)
+        limits = {}
+        for conns in (1, 4):
+            rates = socket_reads_alone(port, conns, chunk_bytes, 32)
+            limits[conns] = statistics.median(rates)
+            record("lm", f"socket reads alone, 32 stored chunks of that size, {conns} reader process(es), median of {LM_RUNS}",
+                   limits[conns], "GB/s", 4.0 * conns if conns == 1 else 13.6,
+                   runs=[round(x, 2) for x in rates], chunk_bytes=chunk_bytes, chunks=32)
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         n = 8192
         for conns in (1, 4):
@@ -563,7 +580,8 @@ def section_lm():
                    statistics.median(rates[1:]), "GB/s", floor, runs=[round(x, 2) for x in rates[1:]],
                    warm_up=round(rates[0], 2), median_of=LM_RUNS, min=round(min(rates[1:]), 2),
                    max=round(max(rates[1:]), 2), ttft_ms=round(statistics.median(ttfts[1:]), 1),
-                   goal=3.7 if conns == 1 else 12.0)
+                   goal=3.7 if conns == 1 else 12.0, socket_reads_alone=round(limits[conns], 2),
+                   of_socket_reads_alone=round(statistics.median(rates[1:]) / limits[conns], 3))
             engine.close()
     finally:
         server.kill()
@@ -577,8 +595,8 @@ SECTIONS = {
 
 def main() -> None:
     global OUT, QUICK
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-lm":
-        serve_lm(int(sys.argv[2]))
+    if len(sys.argv) == 7 and sys.argv[1] == "--read-lm":
+        read_lm(*map(int, sys.argv[2:]))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("sections", nargs="+", choices=list(SECTIONS))
