@@ -173,6 +173,16 @@ class SchedulerHalf(abc.ABC):
         """How the CPU tier this half indexes is used now (read by the engine's stats()); None: no CPU tier."""
         return None
 
+    def reset_cache(self) -> bool:
+        """Forget what this half's own host-memory tier holds (vLLM's `reset_cache`, behind
+        `POST /reset_prefix_cache?reset_external=true`); called between steps, never inside one.
+
+        Stores that outlive the process (a disk tier, a remote store) are never wiped. Returns
+        False when something is still held (a transfer in flight pins its slot): the caller may
+        retry once the engine has stepped. Default: nothing of its own to forget.
+        """
+        return True
+
     def shutdown(self) -> None:
         """Release resources; called once when the engine closes."""
 

@@ -9,14 +9,17 @@ connector's declared keys accept (extra_keys.py).
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.sizes import parse_size
 
-ExtraValue = Union[str, int, float, bool]
+# kv_connector_extra_config is free-form, as in vLLM: any JSON value, each connector checking the
+# keys it declares (extra_keys.py). Lists and objects (secondary_tiers, backpressure) are bounded.
+MAX_EXTRA_DEPTH = 8
+MAX_EXTRA_ITEMS = 4096
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_ENGINE_ID = "kvtool-engine-0"
@@ -31,7 +34,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     kv_connector: str | None = None
     kv_role: str | None = None
-    kv_connector_extra_config: dict[str, ExtraValue] = {}
+    kv_connector_extra_config: dict[str, Any] = {}
     engine_id: str = DEFAULT_ENGINE_ID
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     # Accepted for compatibility with vLLM documents; kvtool uses the engine's device.
@@ -48,7 +51,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def is_kv_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
-    def extra(self, key: str, default: ExtraValue | None = None) -> ExtraValue | None:
+    def extra(self, key: str, default: Any = None) -> Any:
         return self.kv_connector_extra_config.get(key, default)
 
 
@@ -71,6 +74,8 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
         raise ConfigError(f"invalid --kv-transfer-config: {e}") from None
     except msgspec.DecodeError as e:
         raise ConfigError(f"invalid --kv-transfer-config: malformed JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"invalid --kv-transfer-config: nested more than {MAX_EXTRA_DEPTH} levels deep") from None
     validate_kv_transfer_config(config)
     return config
 
@@ -79,6 +84,7 @@ def validate_kv_transfer_config(config: KVTransferConfig) -> None:
     """Checks that span fields: role required with a connector, known role, known connector."""
     from kvtool.engine.connectors.names import registered_names
 
+    refuse_deep_extra(config.kv_connector_extra_config)
     if config.kv_role is not None and config.kv_role not in KV_ROLES:
         raise ConfigError(
             f"invalid --kv-transfer-config: unknown kv_role {config.kv_role!r}; "
@@ -118,3 +124,26 @@ def validate_kv_transfer_config(config: KVTransferConfig) -> None:
             f"invalid --kv-transfer-config: unknown kv_connector {config.kv_connector!r}; "
             f"registered connectors: {', '.join(registered_names())}"
         )
+
+
+def refuse_deep_extra(extra: dict[str, Any]) -> None:
+    """Refuse a kv_connector_extra_config nested deeper than MAX_EXTRA_DEPTH or holding more than
+    MAX_EXTRA_ITEMS values in all: one line naming the bound."""
+    count = 0
+    stack: list[tuple[object, int]] = [(extra, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            count += 1
+            if count > MAX_EXTRA_ITEMS:
+                raise ConfigError(
+                    f"invalid --kv-transfer-config: kv_connector_extra_config holds more than {MAX_EXTRA_ITEMS} values"
+                )
+            if isinstance(child, (dict, list)):
+                if depth + 1 > MAX_EXTRA_DEPTH:
+                    raise ConfigError(
+                        f"invalid --kv-transfer-config: kv_connector_extra_config is nested more than "
+                        f"{MAX_EXTRA_DEPTH} levels deep"
+                    )
+                stack.append((child, depth + 1))
