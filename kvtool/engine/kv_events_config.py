@@ -1,4 +1,4 @@
-"""`--kv-events-config`: vLLM's KVEventsConfig JSON, parsed strictly.
+"""`--kv-events-config`: vLLM's KVEventsConfig JSON, read as vLLM 0.33 reads it (config_json.py).
 
 The document is the one vLLM 0.33 takes (`vllm/config/kv_events.py`), field for field and with
 vLLM's defaults. `publisher` left out means "zmq" when events are enabled, else "null".
@@ -10,7 +10,10 @@ from typing import Literal
 
 import msgspec
 
+from kvtool.engine.config_json import convert_config, read_config_document
 from kvtool.engine.errors import ConfigError
+
+FLAG = "--kv-events-config"
 
 _ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -60,16 +63,17 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
-    """Parse the flag's JSON. `None`, `""`, `"None"` and `"null"` mean no events.
+    """Parse the flag's JSON as vLLM 0.33 does (config_json.py): `None`, `""` and `"None"` mean
+    no events; unquoted sizes such as `100k` are expanded; the int and bool fields take pydantic's
+    lax forms (`"10000"`, `"true"`).
 
     Raises ConfigError with one line naming the problem: malformed JSON, a non-object document,
     an unknown key, a wrongly typed value, an endpoint that is not tcp/ipc/inproc.
     """
-    if text is None or text.strip() in ("", "None", "null"):
+    doc = read_config_document(FLAG, text)
+    if doc is None:
         return None
-    try:
-        return msgspec.json.decode(text, type=KVEventsConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid --kv-events-config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"invalid --kv-events-config: malformed JSON ({e})") from None
+    if "publisher" in doc and doc["publisher"] is None:
+        raise ConfigError(f"invalid {FLAG}: publisher must be 'null' or 'zmq', got None")
+    return convert_config(FLAG, doc, KVEventsConfig, ints=("buffer_steps", "hwm", "max_queue_size"),
+                          bools=("enable_kv_cache_events",))

@@ -6,8 +6,15 @@ one-letter suffix where lower case is decimal and upper case is binary:
     k = 10**3   m = 10**6   g = 10**9   t = 10**12      ("1.5g" = 1_500_000_000)
     K = 2**10   M = 2**20   G = 2**30   T = 2**40       ("2G" = 2_147_483_648; no decimals)
 
-The text is bounded (at most 24 characters, at most 2**60 bytes), so a number of a thousand
-digits is a one-line refusal instead of an overflow.
+A decimal with a decimal suffix is computed as vLLM computes it, in floating point and
+truncated (`"2.01k"` = 2009), so that a value means here what it means to vLLM. The text is
+bounded (at most 24 characters, at most 2**60 bytes), so a number of a thousand digits is a
+one-line refusal instead of an overflow.
+
+`expand_json_human_readable_numbers` is vLLM's rewrite of a config flag's JSON before it is
+parsed: every unquoted token such as `8G` or `80m` outside a string literal becomes its integer
+(`{"cpu_bytes_to_use": 8G}` reads as `{"cpu_bytes_to_use": 8589934592}`); quoted `"8G"` stays a
+string.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from kvtool.engine.errors import ConfigError
 MAX_SIZE_BYTES = 1 << 60
 _MAX_TEXT = 24
 _SIZE = re.compile(r"(\d{1,19})(?:\.(\d{1,9}))?([kKmMgGtT]?)")
+# vLLM's pattern for a bare number with a suffix inside JSON, and its split on string literals.
+_JSON_NUMBER = re.compile(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b")
+_JSON_NUMBER_PARTS = re.compile(r"(\d+)(?:\.(\d+))?([kKmMgGtT])")
+_JSON_STRING = re.compile(r'("(?:[^"\\]|\\.)*")')
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -43,12 +54,44 @@ def parse_size(text: str) -> int:
                 f"decimals are not allowed with binary suffixes: {shown!r}; did you mean {whole}.{frac}{suffix.lower()}?"
             )
         raise ConfigError(f"not an integer: {shown!r}")
-    mult = _DECIMAL.get(suffix) or _BINARY.get(suffix) or 1
-    value = int(whole) * mult
-    if frac is not None:
-        value += int(frac) * mult // 10 ** len(frac)
+    value = _scaled(whole, frac, suffix)
     if value > MAX_SIZE_BYTES:
         raise ConfigError(f"size {shown!r} is more than {format_bytes(MAX_SIZE_BYTES)}")
+    return value
+
+
+def _scaled(whole: str, frac: str | None, suffix: str) -> int:
+    """The number times its suffix, as vLLM's human_readable_int computes it."""
+    if suffix in _DECIMAL:
+        return int(float(f"{whole}.{frac or 0}") * _DECIMAL[suffix])
+    return int(whole) * _BINARY.get(suffix, 1)
+
+
+def expand_json_human_readable_numbers(text: str) -> str:
+    """vLLM's `_expand_json_human_readable_numbers`: unquoted `8G`, `80m`, `1.5g` outside JSON
+    string literals become integers; everything else is left as it is (the JSON parser then
+    judges it). Raises ConfigError for a decimal with a binary suffix (vLLM's reason) and for a
+    token past `parse_size`'s bounds.
+    """
+    parts = _JSON_STRING.split(text)
+    for i in range(0, len(parts), 2):  # even indices lie outside string literals
+        parts[i] = _JSON_NUMBER.sub(lambda m: str(_json_number(m.group())), parts[i])
+    return "".join(parts)
+
+
+def _json_number(token: str) -> int:
+    match = _JSON_NUMBER_PARTS.fullmatch(token) if len(token) <= _MAX_TEXT else None
+    if match is None:
+        raise ConfigError(f"number {token[:40]!r} is longer than {_MAX_TEXT} characters")
+    whole, frac, suffix = match.groups()
+    if frac is not None and suffix in _BINARY:
+        raise ConfigError(
+            f"Decimals are not allowed with binary suffixes like {suffix}. "
+            f"Did you mean to use {whole}.{frac}{suffix.lower()} instead?"
+        )
+    value = _scaled(whole, frac, suffix)
+    if value > MAX_SIZE_BYTES:
+        raise ConfigError(f"number {token!r} is more than {format_bytes(MAX_SIZE_BYTES)}")
     return value
 
 

@@ -15,8 +15,11 @@ def test_defaults_and_publisher_resolution_are_vllms():
     assert off.publisher == "null" and not off.publishes
     null = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}')
     assert not null.publishes
-    for text in (None, "", "None", "null"):
+    for text in (None, "", "None"):
         assert parse_kv_events_config(text) is None
+    # vLLM's lax forms and its size shorthand.
+    lax = parse_kv_events_config('{"enable_kv_cache_events": "yes", "hwm": 1k, "buffer_steps": "2_000"}')
+    assert (lax.enable_kv_cache_events, lax.hwm, lax.buffer_steps) == (True, 1000, 2000)
 
 
 @pytest.mark.parametrize(
@@ -24,6 +27,9 @@ def test_defaults_and_publisher_resolution_are_vllms():
     [
         ('{"enable_kv_cache_events": true, "endpoints": "tcp://*:5557"}', "unknown field `endpoints`"),
         ('{"publisher": "kafka"}', "publisher"),
+        ('{"publisher": null}', "publisher"),
+        ("null", "Expected `object`, got `null`"),
+        ("  ", "malformed JSON"),
         ('{"buffer_steps": "many"}', "buffer_steps"),
         ('{"buffer_steps": 0}', "buffer_steps must be at least 1"),
         ('{"max_queue_size": 0}', "max_queue_size must be at least 1"),

@@ -35,12 +35,23 @@ def test_sizes_are_json_strings_with_vllm_suffixes():
         parse_human_int("1.5G")
 
 
-@pytest.mark.parametrize("unquoted", ["8G", "80m", "2k"])
-def test_unquoted_sizes_are_malformed_json(unquoted):
+@pytest.mark.parametrize(
+    "unquoted, value",
+    [("8G", 8 * 2**30), ("80m", 80_000_000), ("2k", 2000), ("1.5g", 1_500_000_000), ("512K", 512 * 2**10),
+     ("2.01k", 2009), ("1T", 2**40), ("3t", 3 * 10**12)],
+)
+def test_unquoted_sizes_expand_as_vllm_expands_them(unquoted, value):
     text = ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-            f'"kv_connector_extra_config":{{"cpu_bytes_to_use":{unquoted}}}}}')
-    with pytest.raises(ConfigError, match="malformed JSON"):
-        parse_kv_transfer_config(text)
+            f'"kv_connector_extra_config":{{"cpu_bytes_to_use":{unquoted},"root_dir":"/tmp/{unquoted}"}}}}')
+    extra = parse_kv_transfer_config(text).kv_connector_extra_config
+    # The bare token is a number; the same letters inside a string are left alone.
+    assert extra == {"cpu_bytes_to_use": value, "root_dir": f"/tmp/{unquoted}"}
+
+
+def test_decimal_with_binary_suffix_gets_vllms_reason():
+    with pytest.raises(ConfigError, match=r"Decimals are not allowed with binary suffixes like G\. Did you mean to use 1\.5g"):
+        parse_kv_transfer_config('{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+                                 '"kv_connector_extra_config":{"cpu_bytes_to_use":1.5G}}')
 
 
 def test_all_keys_accepted():
@@ -57,16 +68,24 @@ def test_absent_means_no_connector(text):
     assert parse_kv_transfer_config(text) is None
 
 
+def test_lax_fields_and_null_engine_id_as_pydantic_reads_them():
+    cfg = parse_kv_transfer_config('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_port":"15000",'
+                                   '"enable_permute_local_kv":"yes","engine_id":null}')
+    assert (cfg.kv_port, cfg.enable_permute_local_kv, cfg.engine_id) == (15000, True, "kvtool-engine-0")
+
+
 @pytest.mark.parametrize(
     "text, needle",
     [
         ('{"kv_connector": "OffloadingConnector", "kv_role": ', "malformed JSON"),
         ('["OffloadingConnector"]', "Expected `object`, got `array`"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_ip":"127.0.0.1"}', "unknown field `kv_ip`"),
-        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_port":"x"}', "kv_port"),
+        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_port":"x"}', "kv_port must be an integer"),
+        ("null", "Expected `object`, got `null`"),
+        ("  ", "malformed JSON"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_load_failure_policy":"retry"}', "kv_load_failure_policy"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 9 + "]" * 9 + "}}", "nested more than 8 levels"),
-        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 5000 + "]" * 5000 + "}}", "nested more than 8 levels"),
+        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 5000 + "]" * 5000 + "}}", "nested too deeply"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"both"}', "unknown kv_role 'both'"),
         ('{"kv_connector":"OffloadingConnector"}', "kv_role is required"),
         ('{"kv_connector":"SharedStorageConnector","kv_role":"kv_both"}', "registered connectors: LMCacheConnector"),

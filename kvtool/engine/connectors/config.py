@@ -1,9 +1,10 @@
-"""`--kv-transfer-config`: vLLM's KVTransferConfig JSON, parsed strictly.
+"""`--kv-transfer-config`: vLLM's KVTransferConfig JSON, read as vLLM 0.33 reads it.
 
-The document is the one vLLM takes, and exactly JSON: an unquoted `2G` is malformed JSON and
-refused like any other. Sizes inside kv_connector_extra_config are integers or JSON strings
-with vLLM's suffixes (`"80m"` = 80 * 10**6, `"8G"` = 8 * 2**30; sizes.py), which each
-connector's declared keys accept (extra_keys.py).
+The document is the one vLLM takes, with vLLM's command-line rules (config_json.py): an
+unquoted size such as `{"cpu_bytes_to_use": 8G}` is expanded to its integer before the JSON is
+parsed, and unknown top-level keys are refused. Sizes inside kv_connector_extra_config may also
+be JSON strings with vLLM's suffixes (`"80m"` = 80 * 10**6, `"8G"` = 8 * 2**30; sizes.py), which
+each connector's declared keys accept (extra_keys.py), since a JSON file cannot carry the bare form.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvtool.engine.config_json import convert_config, read_config_document
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.sizes import parse_size
 
@@ -22,6 +24,7 @@ MAX_EXTRA_DEPTH = 8
 MAX_EXTRA_ITEMS = 4096
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+FLAG = "--kv-transfer-config"
 DEFAULT_ENGINE_ID = "kvtool-engine-0"
 # engine_id lands in every disk-tier header: bounded so that a header always fits its limit.
 MAX_ENGINE_ID_CHARS = 256
@@ -61,21 +64,19 @@ def parse_human_int(text: str) -> int:
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
-    """Parse the flag's JSON. `None`, `""` and `"None"` mean no connector.
+    """Parse the flag's JSON as vLLM 0.33 does (config_json.py): `None`, `""` and `"None"` mean
+    no connector; unquoted sizes such as `8G` are expanded; `kv_port` and
+    `enable_permute_local_kv` take pydantic's lax forms (`"15000"`, `"true"`).
 
     Raises ConfigError with one line naming the problem: malformed JSON, a non-object
     document, an unknown key, a wrongly typed value, an unknown role or connector name.
     """
-    if text is None or text.strip() in ("", "None", "null"):
+    doc = read_config_document(FLAG, text)
+    if doc is None:
         return None
-    try:
-        config = msgspec.json.decode(text.encode(), type=KVTransferConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid --kv-transfer-config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"invalid --kv-transfer-config: malformed JSON ({e})") from None
-    except RecursionError:
-        raise ConfigError(f"invalid --kv-transfer-config: nested more than {MAX_EXTRA_DEPTH} levels deep") from None
+    if doc.get("engine_id", DEFAULT_ENGINE_ID) is None:
+        del doc["engine_id"]  # vLLM makes one up for a null engine_id
+    config = convert_config(FLAG, doc, KVTransferConfig, ints=("kv_port",), bools=("enable_permute_local_kv",))
     validate_kv_transfer_config(config)
     return config
 
@@ -147,3 +148,40 @@ def refuse_deep_extra(extra: dict[str, Any]) -> None:
                         f"{MAX_EXTRA_DEPTH} levels deep"
                     )
                 stack.append((child, depth + 1))
+
+
+KV_OFFLOADING_BACKENDS = ("native", "lmcache")
+# The connector each backend of vLLM's shortcut flags builds. vLLM's `lmcache` backend names its
+# multi-process LMCacheMPConnector; kvtool's LMCache connector is the one it has.
+_OFFLOADING_BACKEND_CONNECTOR = {"native": "OffloadingConnector", "lmcache": "LMCacheConnectorV1"}
+
+
+def apply_kv_offloading_flags(config: KVTransferConfig | None, size_gib: float | None,
+                              backend: str) -> tuple[KVTransferConfig | None, str | None]:
+    """vLLM's `--kv-offloading-size GIB --kv-offloading-backend native|lmcache` over `config`
+    (`VllmConfig._post_init_kv_transfer_config`): (the config to run, a one-line notice or None).
+
+    Without a size the flags change nothing, as in vLLM. With one, the backend's connector
+    replaces any connector `config` names, kv_role becomes kv_both, and `native` sets
+    `cpu_bytes_to_use` to size * 2**30 (the total over tensor-parallel ranks), keeping the other
+    keys of kv_connector_extra_config. The notice says what a given connector was replaced with.
+    Raises ConfigError for an unknown backend or a size that is not a positive number.
+    """
+    if backend not in KV_OFFLOADING_BACKENDS:
+        raise ConfigError(f"--kv-offloading-backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
+    if size_gib is None:
+        return config, None
+    if not 0 < size_gib < 1 << 30:
+        raise ConfigError(f"--kv-offloading-size must be a positive number of GiB, got {size_gib:g}")
+    connector = _OFFLOADING_BACKEND_CONNECTOR[backend]
+    base = config if config is not None else KVTransferConfig()
+    extra = dict(base.kv_connector_extra_config)
+    if backend == "native":
+        extra["cpu_bytes_to_use"] = int(size_gib * (1 << 30))
+    notice = None
+    if base.kv_connector is not None:
+        notice = (f"--kv-offloading-backend {backend} replaces kv_connector {base.kv_connector!r} of "
+                  f"--kv-transfer-config with {connector!r}, as vLLM does")
+    new = msgspec.structs.replace(base, kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra)
+    validate_kv_transfer_config(new)
+    return new, notice
