@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from kvtool.commands.generate import generate
+from kvtool.commands.vllm_argv import rewrite_vllm_argv
 from kvtool.engine.errors import KVToolError
 
 app = typer.Typer(
@@ -110,9 +111,15 @@ _plain_help_everywhere()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI (argv defaults to sys.argv[1:]); always ends with SystemExit."""
+    """Run the CLI (argv defaults to sys.argv[1:]) after vLLM's rewrites of its arguments
+    (vllm_argv.py: `--flag_name`, `--json-flag.key VALUE`); always ends with SystemExit."""
     try:
-        app(args=argv, prog_name="kvtool")
+        args, duplicates = rewrite_vllm_argv(sys.argv[1:] if argv is None else list(argv))
+        if duplicates:
+            from kvtool.commands.render import warn
+
+            warn(f"found duplicate keys {', '.join(duplicates)}; the last value of each is used")
+        app(args=args, prog_name="kvtool")
     except KVToolError as e:
         if os.environ.get("KVTOOL_DEBUG") == "1":
             raise

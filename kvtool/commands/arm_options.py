@@ -1,7 +1,7 @@
 """Engine flags for commands whose connectors come from arms (`replay`, `bench`).
 
-The same flags as `with_engine_options`, taken from its signature, less `--kv-transfer-config`:
-each arm brings its own KV transfer config.
+The same flags as `with_engine_options`, taken from its signature, less `--kv-transfer-config`
+and vLLM's `--kv-offloading-*` shortcuts: each arm brings its own KV transfer config.
 """
 
 import functools
@@ -9,7 +9,9 @@ import inspect
 
 from kvtool.commands.options import ENGINE_OPTION_NAMES, build_engine_params, with_engine_options
 
-_ARM_ENGINE_OPTION_NAMES = [name for name in ENGINE_OPTION_NAMES if name != "kv_transfer_config"]
+# The connector flags: an arm's own config takes their place.
+_CONNECTOR_OPTIONS = {"kv_transfer_config": None, "kv_offloading_size": None, "kv_offloading_backend": "native"}
+_ARM_ENGINE_OPTION_NAMES = [name for name in ENGINE_OPTION_NAMES if name not in _CONNECTOR_OPTIONS]
 
 
 def _template(*, engine) -> None:
@@ -17,7 +19,7 @@ def _template(*, engine) -> None:
 
 
 def with_arm_engine_options(fn):
-    """Give a command every engine flag but --kv-transfer-config, as one `engine: EngineParams`
+    """Give a command every engine flag but the connector flags, as one `engine: EngineParams`
     argument (with no connector)."""
     template = inspect.signature(with_engine_options(_template))
     added = [p for p in template.parameters.values() if p.name in _ARM_ENGINE_OPTION_NAMES]
@@ -27,7 +29,7 @@ def with_arm_engine_options(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         opts = {name: kwargs.pop(name) for name in _ARM_ENGINE_OPTION_NAMES}
-        kwargs["engine"] = build_engine_params(kv_transfer_config=None, **opts)
+        kwargs["engine"] = build_engine_params(**_CONNECTOR_OPTIONS, **opts)
         return fn(*args, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + added)

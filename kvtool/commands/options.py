@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.engine.connectors.config import parse_human_int, parse_kv_transfer_config
+from kvtool.engine.connectors.config import apply_kv_offloading_flags, parse_human_int, parse_kv_transfer_config
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, parse_kv_events_config
 
@@ -26,12 +26,22 @@ KVEventsConfigOpt = Annotated[
     Optional[str],
     typer.Option("--kv-events-config", help="vLLM's KVEventsConfig JSON, e.g. '{\"enable_kv_cache_events\":true,\"endpoint\":\"tcp://*:5557\"}'."),
 ]
+KVOffloadingSizeOpt = Annotated[
+    Optional[float],
+    typer.Option("--kv-offloading-size", help="vLLM's shortcut: GiB of KV offload buffer in total over tensor-parallel ranks; with the native backend, an OffloadingConnector of that cpu_bytes_to_use (replacing a --kv-transfer-config connector)."),
+]
+KVOffloadingBackendOpt = Annotated[
+    str,
+    typer.Option("--kv-offloading-backend", help="native (OffloadingConnector) or lmcache (LMCacheConnectorV1); only with --kv-offloading-size."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of a table.")]
 
 _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("model", None, ModelOpt),
     ("kv_transfer_config", None, KVTransferConfigOpt),
     ("kv_events_config", None, KVEventsConfigOpt),
+    ("kv_offloading_size", None, KVOffloadingSizeOpt),
+    ("kv_offloading_backend", "native", KVOffloadingBackendOpt),
     ("load_format", "auto", Annotated[str, typer.Option("--load-format", help="auto (safetensors) or dummy (random weights from config.json).")]),
     ("device", "auto", Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]),
     ("dtype", "auto", Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")]),
@@ -83,7 +93,7 @@ def build_engine_params(**opts) -> EngineParams:
         enable_prefix_caching=opts["enable_prefix_caching"],
         max_num_batched_tokens=opts["max_num_batched_tokens"],
         max_num_seqs=opts["max_num_seqs"],
-        kv_transfer_config=parse_kv_transfer_config(opts["kv_transfer_config"]),
+        kv_transfer_config=_kv_transfer_config(opts),
         async_scheduling=opts["async_scheduling"],
         enforce_eager=opts["enforce_eager"],
         batch_invariant=opts["batch_invariant"],
@@ -121,6 +131,17 @@ def with_engine_options(fn):
     wrapper.__signature__ = sig.replace(parameters=own + added)
     del wrapper.__wrapped__  # typer must read the new signature, not the wrapped one
     return wrapper
+
+
+def _kv_transfer_config(opts: dict):
+    """--kv-transfer-config with vLLM's --kv-offloading-size / --kv-offloading-backend applied."""
+    config, notice = apply_kv_offloading_flags(parse_kv_transfer_config(opts["kv_transfer_config"]),
+                                               opts["kv_offloading_size"], opts["kv_offloading_backend"])
+    if notice is not None:
+        from kvtool.commands.render import warn
+
+        warn(notice)
+    return config
 
 
 def _size_flag(flag: str, text: str) -> int:

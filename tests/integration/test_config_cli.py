@@ -17,7 +17,13 @@ def offload(extra, **fields):
     "flags, needle",
     [
         (["--kv-transfer-config", '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-                                  '"kv_connector_extra_config":{"cpu_bytes_to_use":2G}}'], "malformed JSON"),
+                                  '"kv_connector_extra_config":{"cpu_bytes_to_use":1.5G}}'],
+         "Decimals are not allowed with binary suffixes like G"),
+        (["--kv-transfer-config", '{"kv_connector":"OffloadingConnector","kv_role":'], "malformed JSON"),
+        (["--kv-transfer-config.kv_role"], "--kv-transfer-config.kv_role needs a value"),
+        (["--kv-transfer-config.kv_connector", "OffloadingConnector"], "kv_role is required"),
+        (["--kv-offloading-size", "0"], "--kv-offloading-size must be a positive number of GiB"),
+        (["--kv-offloading-size", "1", "--kv-offloading-backend", "disk"], "--kv-offloading-backend must be one of"),
         (["--kv-transfer-config", offload({"root_dri": "kv-tier"})], "did you mean root_dir?"),
         (["--kv-transfer-config", offload({"num_cpu_blocks": 10**12})], "num_cpu_blocks must be an integer"),
         (["--kv-transfer-config", offload({}, engine_id="e" * 70_000)], "engine_id must be 1 to 256"),
