@@ -100,13 +100,18 @@ class BlockPool:
         for b in block_ids:
             self._uncache(b)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset): True; False, changing nothing, while any block
+        is in use (a running request, or a connector holding a finished request's blocks)."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
         events, self.events = self.events, None  # one "cleared" record, not one per block
         for b in range(self.num_blocks):
             self._uncache(b)
         self.events = events
         if events is not None:
             events.append(("cleared",))
+        return True
 
     def _uncache(self, b: int) -> None:
         h = self.block_hash[b]

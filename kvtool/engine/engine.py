@@ -451,10 +451,27 @@ class LLMEngine:
         if completions is not None:
             self.scheduler_connector.update_connector_output(KVConnectorOutput(completions=completions))
 
-    def reset_prefix_cache(self) -> None:
-        self.scheduler.pool.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
+        """vLLM's reset of the prefix cache (`POST /reset_prefix_cache`), between steps.
+
+        Forgets every cached block of the device cache; with `reset_external`, also what the
+        connector's own host tier holds (`SchedulerHalf.reset_cache`; a disk tier and remote stores
+        are never wiped). Returns False while something is still held: blocks in use by requests
+        (unless `reset_running_requests` first preempts every running request, which is then
+        computed again) or a connector transfer in flight; nothing of the device cache is
+        forgotten then, and the caller may retry after a step. An idle engine first waits for
+        its connector's last stores, so that a reset between runs succeeds.
+        """
+        if reset_running_requests:
+            self.scheduler.preempt_running()
+        ok = self.scheduler.pool.reset_prefix_cache()
+        if reset_external and self.scheduler_connector is not None:
+            if not self.has_unfinished_requests():
+                self.flush_connector()  # an idle engine's last stores land and unpin their slots now
+            ok = self.scheduler_connector.reset_cache() and ok
         if self.kv_events is not None:
             self.kv_events.drain(self._requests.values())
+        return ok
 
     def check_integrity(self) -> None:
         """Invariants that must hold when the engine is idle (used by tests)."""

@@ -67,6 +67,8 @@ class Scheduler:
         # request id -> how many of its block ids the runner was told (present while the runner knows it).
         self.num_sent_blocks: dict[str, int] = {}
         self.finished_req_ids: list[str] = []
+        # Requests preempted since the last schedule() by preempt_running(): the next message names them.
+        self.preempted_between_steps: list[str] = []
         # Requests that ended inside schedule() (a connector failed on them): reported by the next update.
         self.failed_outputs: list[RequestOutput] = []
         # Waiting requests skipped in the last schedule() because a connector lookup was still pending.
@@ -104,6 +106,15 @@ class Scheduler:
         if req is not None and not req.is_finished:
             req.stop_reason = stop_reason
             self._finish(req, status)
+
+    def preempt_running(self) -> None:
+        """Preempt every running request between two steps (vLLM's reset_running_requests): their
+        blocks are freed, and they wait to be computed again, first in, first out. The next
+        schedule() tells the runner; a step already in flight for them is stale when it returns."""
+        while self.running:
+            req = self.running.pop()
+            self._preempt(req)
+            self.preempted_between_steps.append(req.request_id)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -166,8 +177,9 @@ class Scheduler:
             new_requests=new_requests,
             scheduled=scheduled,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
+            preempted_req_ids=self.preempted_between_steps + preempted,
         )
+        self.preempted_between_steps = []
         # Which incarnation of each request this step computes for: a preemption in between
         # makes its result stale.
         self.steps_in_flight.append({s.request_id: self.requests[s.request_id].num_preemptions for s in scheduled})

@@ -1,14 +1,16 @@
-"""The routes around generation: /health, /metrics, /version, /v1/models, /tokenize, /detokenize."""
+"""The routes around generation: /health, /metrics, /version, /v1/models, /tokenize, /detokenize,
+/reset_prefix_cache."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtool import __version__
+from kvtool.engine.errors import KVToolError
 from kvtool.server.context import ServerContext
 from kvtool.server.errors import APIError
 from kvtool.server.protocol import ChatMessage, ModelCard, ModelList, TokenIds
@@ -98,3 +100,16 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext, metrics) -> None:
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
         return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens)))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(default=False),
+                                 reset_external: bool = Query(default=False)) -> Response:
+        """vLLM's endpoint: forget the device prefix cache, and with `reset_external=true` the
+        connector's CPU tier too (never a disk tier or a remote store). `{"success": false}`
+        while blocks are still held (running requests, unless `reset_running_requests=true`
+        preempts them; transfers in flight): the caller may retry."""
+        try:
+            ok = await engine_loop.reset_prefix_cache(reset_running_requests, reset_external)
+        except KVToolError as e:
+            return APIError(503, str(e)).response()
+        return JSONResponse({"success": bool(ok)})

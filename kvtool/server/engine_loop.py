@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -175,6 +176,13 @@ class _Stop:
 
 
 @dataclass(slots=True)
+class _ResetPrefixCache:
+    reset_running_requests: bool
+    reset_external: bool
+    done: concurrent.futures.Future  # the engine's answer (bool), or its exception
+
+
+@dataclass(slots=True)
 class _Tracked:
     job: GenerationJob
     sink: EventSink
@@ -239,6 +247,19 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Abort a request (its client went away); unknown or finished ids are ignored."""
         self._commands.put(_Abort(request_id))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        """The engine's reset_prefix_cache, run on the loop thread between two steps; its answer.
+
+        Raises KVToolError when the loop is not running (shutting down, or the engine failed)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            accepting = self._accepting and not self._draining
+            if accepting:
+                self._commands.put(_ResetPrefixCache(reset_running_requests, reset_external, done))
+        if not accepting:
+            raise KVToolError(self._failed().message)
+        return await asyncio.wrap_future(done)
 
     def stats(self) -> EngineStats:
         """The engine's totals as of the end of the last step (a copy; safe from any thread)."""
@@ -352,12 +373,24 @@ class EngineLoop:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, _ResetPrefixCache):
+                self._reset_prefix_cache(cmd)
             else:
                 self._deadline = cmd.deadline
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _reset_prefix_cache(self, cmd: _ResetPrefixCache) -> None:
+        try:
+            cmd.done.set_result(self._engine.reset_prefix_cache(cmd.reset_running_requests, cmd.reset_external))
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the loop goes on
+            if is_engine_failure(e):
+                cmd.done.set_exception(e)
+                raise
+            logger.exception("resetting the prefix cache failed")
+            cmd.done.set_exception(e)
 
     def _add(self, cmd: _Add) -> None:
         job = cmd.job
@@ -486,6 +519,8 @@ class EngineLoop:
                 break
             if isinstance(cmd, _Add):
                 cmd.sink.put(self._failed())
+            elif isinstance(cmd, _ResetPrefixCache):
+                cmd.done.set_exception(KVToolError(self._failed().message))
         try:
             engine.close()
         except KVToolError as e:  # a failure the engine names itself: one line

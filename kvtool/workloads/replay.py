@@ -39,6 +39,7 @@ from kvtool.workloads.trace_pass import (
     RequestRecord,
     flush_connector,
     free_device_memory,
+    reset_prefix_cache,
     run_pass,
 )
 
@@ -261,7 +262,7 @@ def _run_arm_passes(arm: Arm, params: EngineParams, requests: list[PassRequest],
         flush_connector(engine)
         if passes == "both" and restart == "none":
             if arm.reuse == "connector":
-                engine.reset_prefix_cache()
+                reset_prefix_cache(engine)
             results["reuse"] = run_pass(engine, requests, step(f"{arm.name}: reuse"))
     del engine
     free_device_memory()

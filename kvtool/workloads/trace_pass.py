@@ -135,3 +135,13 @@ def free_device_memory() -> None:
 def flush_connector(engine: LLMEngine) -> None:
     """Wait until the engine's background KV stores have landed (disk writes, remote PUTs)."""
     engine.flush_connector()
+
+
+def reset_prefix_cache(engine: LLMEngine) -> None:
+    """Empty the engine's device prefix cache between passes, with the call behind vLLM's
+    `POST /reset_prefix_cache`, so that what follows is served by the connector or computed.
+
+    Raises RuntimeError if the engine still held blocks (a pass is only reset once it is idle).
+    """
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset: blocks are still in use")

@@ -39,7 +39,7 @@ from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens, served_prefix_tokens
 from kvtool.workloads.figures import percentile, to_ms
 from kvtool.workloads.replay import arm_params
-from kvtool.workloads.trace_pass import flush_connector, free_device_memory
+from kvtool.workloads.trace_pass import flush_connector, free_device_memory, reset_prefix_cache
 
 Progress = Callable[[str, float], None]
 
@@ -246,7 +246,7 @@ def _engine_cell(held: _HeldEngine, arm, unit, ax, cp: _CellPrompts, settings, s
             engine = held.rebuild()
             _warm_up(engine, salt)
         elif arm.reuse == "connector":
-            engine.reset_prefix_cache()
+            reset_prefix_cache(engine)
         bytes_before = engine.stats().bytes_loaded
         results = _run_batch(engine, cp.reuse[r], sampling, salt)
         m.bytes_loaded += engine.stats().bytes_loaded - bytes_before
