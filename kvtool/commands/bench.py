@@ -168,7 +168,7 @@ def throughput(
       kvtool bench throughput --preset qwen3-0.6b --load-format dummy
       kvtool bench throughput --preset tiny --load-format dummy --device cpu --num-seqs 32 --json tp.json
     """
-    from kvtool.workloads.throughput import ThroughputSettings, run_throughput
+    from kvtool.workloads.throughput import ThroughputSettings, refuse_warm_timed_pass, run_throughput
 
     lo_in, hi_in = _pair("--input-len", input_len)
     lo_out, hi_out = _pair("--output-len", output_len)
@@ -181,18 +181,21 @@ def throughput(
     report = _name_preset(report, preset)
     _write_json(report, json_out)
     if json_out == "-":
+        refuse_warm_timed_pass(report)
         return
     table = Table(title=f"bench throughput: {report.device} {report.dtype}, {settings.num_seqs} sequences", show_edge=False)
-    for col in ("engine", "prompt tok", "output tok", "time s", "output tok/s", "total tok/s"):
+    for col in ("engine", "prompt tok", "cached prompt tok", "output tok", "time s", "output tok/s", "total tok/s"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in report.results:
-        table.add_row(r.engine, str(r.num_prompt_tokens), str(r.num_output_tokens), f"{r.elapsed_s:.2f}",
+        table.add_row(r.engine, str(r.num_prompt_tokens), str(r.num_cached_prompt_tokens), str(r.num_output_tokens),
+                      f"{r.elapsed_s:.2f}",
                       f"{r.output_tokens_per_s:.1f}" if r.output_tokens_per_s else "-",
                       f"{r.total_tokens_per_s:.1f}" if r.total_tokens_per_s else "-")
     print_wide(table)
     for r in report.results:
         if r.note:
             render.info(f"{r.engine}: {r.note}")
+    refuse_warm_timed_pass(report)
 
 
 def _pair(flag: str, text: str) -> tuple[int, int]:

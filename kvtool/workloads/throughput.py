@@ -5,7 +5,10 @@ lengths are drawn uniformly from the given ranges, random token ids, EOS ignored
 sequence produces exactly its output length. The same seed gives the same workload.
 
     kvtool   every sequence added to one engine at once (continuous batching); timed from the
-             first add to the last finish, after a short warm-up request
+             first add to the last finish, after an untimed warm-up. The timed pass is cold: the
+             prefix cache is reset after the warm-up, the prompt tokens it served from any cache
+             anyway are counted, and a count above zero fails the run (the figure would be
+             inflated against a baseline that computes every token)
     hf       transformers `generate`, in batches of `hf_batch_size` sequences sorted by output
              length (left-padded); a batch runs to its longest output, and only the tokens each
              sequence asked for are counted
@@ -20,12 +23,18 @@ from collections.abc import Callable
 import msgspec
 
 from kvtool.engine.engine import LLMEngine, resolve_device, resolve_dtype, resolve_model_path
-from kvtool.engine.errors import ConfigError
+from kvtool.engine.errors import ConfigError, KVToolError
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.workloads.figures import rate
-from kvtool.workloads.trace_pass import free_device_memory
+from kvtool.workloads.trace_pass import free_device_memory, reset_prefix_cache
 
 Progress = Callable[[str, float], None]
+
+
+class WarmTimedPass(KVToolError):
+    """The timed pass was served prompt tokens from a cache: its figure would be inflated."""
+
+    exit_code = 1
 ENGINES: tuple[str, ...] = ("kvtool", "hf")
 
 
@@ -45,6 +54,8 @@ class ThroughputResult(msgspec.Struct, kw_only=True):
     elapsed_s: float
     output_tokens_per_s: float | None
     total_tokens_per_s: float | None  # (prompt + output) / elapsed
+    # Prompt tokens of the timed pass served from a cache instead of computed (must be 0).
+    num_cached_prompt_tokens: int = 0
     note: str | None = None
 
 
@@ -82,15 +93,10 @@ def make_workload(settings: ThroughputSettings, vocab_size: int) -> list[Sequenc
 def run_engine_throughput(params: EngineParams, seqs: list[Sequence], progress: Progress | None = None) -> ThroughputResult:
     """Time our engine on `seqs`."""
     with LLMEngine(params) as engine:
-        if engine.device.type == "cuda":
-            # One untimed pass of the whole workload: Triton compiles its kernels and the runner
-            # captures a decode graph for every batch size the timed pass will meet.
-            engine.generate(
-                [s.prompt_token_ids for s in seqs],
-                [SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True) for s in seqs],
-            )
-        else:
-            engine.generate([[32] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        warm_up(engine, seqs)
+        # The warm-up's prompts are the timed pass's: without this reset the prefix cache would
+        # serve part of every timed prompt.
+        reset_prefix_cache(engine)
         t0 = time.perf_counter()
         ids = [
             engine.add_request(s.prompt_token_ids, SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True))
@@ -103,13 +109,38 @@ def run_engine_throughput(params: EngineParams, seqs: list[Sequence], progress: 
             if progress is not None:
                 progress("kvtool", num_done / len(seqs))
         elapsed = time.perf_counter() - t0
-        outputs = sum(len(engine.pop_result(rid).output_token_ids) for rid in ids)
+        results = [engine.pop_result(rid) for rid in ids]
+    outputs = sum(len(r.output_token_ids) for r in results)
+    cached = sum(r.stats.num_cached_tokens + r.stats.num_external_loaded_tokens for r in results)
     prompt = sum(len(s.prompt_token_ids) for s in seqs)
     return ThroughputResult(
         engine="kvtool", num_seqs=len(seqs), num_prompt_tokens=prompt, num_output_tokens=outputs,
         elapsed_s=round(elapsed, 3), output_tokens_per_s=rate(outputs, elapsed),
-        total_tokens_per_s=rate(prompt + outputs, elapsed),
+        total_tokens_per_s=rate(prompt + outputs, elapsed), num_cached_prompt_tokens=cached,
     )
+
+
+def warm_up(engine: LLMEngine, seqs: list[Sequence]) -> None:
+    """The untimed pass before the timed one."""
+    if engine.device.type == "cuda":
+        # The whole workload: Triton compiles its kernels and the runner captures a decode graph
+        # for every batch size the timed pass will meet.
+        engine.generate(
+            [s.prompt_token_ids for s in seqs],
+            [SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True) for s in seqs],
+        )
+    else:
+        engine.generate([[32] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def refuse_warm_timed_pass(report: ThroughputReport) -> None:
+    """Raise WarmTimedPass (exit 1) when a timed pass was served prompt tokens from a cache."""
+    for r in report.results:
+        if r.num_cached_prompt_tokens:
+            raise WarmTimedPass(
+                f"{r.engine}: the timed pass was served {r.num_cached_prompt_tokens} prompt tokens from a cache; "
+                "its throughput would not compare with a baseline that computes every token"
+            )
 
 
 def run_hf_throughput(params: EngineParams, seqs: list[Sequence], batch_size: int, progress: Progress | None = None) -> ThroughputResult:

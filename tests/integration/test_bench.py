@@ -93,8 +93,34 @@ def test_throughput_reports_both_engines_on_the_same_workload():
     assert 6 * 4 <= ours["num_output_tokens"] <= 6 * 12
     for r in (ours, hf):
         assert r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
+        assert r["num_cached_prompt_tokens"] == 0  # the timed pass computed every prompt token
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["model"] == "preset:tiny"  # not the run's temporary directory
+
+
+def test_throughput_timed_pass_is_cold_after_a_warm_up_over_the_same_prompts(monkeypatch, tmp_path):
+    """The CUDA warm-up runs the workload itself: the reset after it keeps the timed pass cold,
+    and a timed pass that a cache served anyway is counted and fails the run (exit 1)."""
+    from kvtool.workloads import throughput
+
+    def full_warm_up(engine, seqs):
+        engine.generate([s.prompt_token_ids for s in seqs],
+                        [throughput.SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
+                         for s in seqs])
+
+    monkeypatch.setattr(throughput, "warm_up", full_warm_up)
+    args = ("throughput", *ENGINE, "--num-seqs", "4", "--input-len", "40,60", "--output-len", "2,4",
+            "--engines", "kvtool")
+    cold = bench(*args, "--json", str(tmp_path / "cold.json"))
+    assert cold.exit_code == 0, cold.output + repr(cold.exception)
+    assert json.loads((tmp_path / "cold.json").read_text())["results"][0]["num_cached_prompt_tokens"] == 0
+
+    monkeypatch.setattr(throughput, "reset_prefix_cache", lambda engine: None)
+    warm = bench(*args, "--json", str(tmp_path / "warm.json"))
+    assert isinstance(warm.exception, throughput.WarmTimedPass) and warm.exception.exit_code == 1
+    cached = json.loads((tmp_path / "warm.json").read_text())["results"][0]["num_cached_prompt_tokens"]
+    assert cached >= 4 * 32  # at least two full blocks of every prompt
+    assert f"served {cached} prompt tokens from a cache" in str(warm.exception)
 
 
 def test_ttft_redis_arms_start_their_stores_and_prove_their_hits(tmp_path):
