@@ -1,9 +1,11 @@
-"""Every JSON snippet in README.md and examples/ is JSON: it pastes into vLLM, jq or json.loads."""
+"""Every JSON snippet in README.md and examples/ is a document vLLM's flags read: JSON, once
+vLLM's expansion of bare sizes (`8G`) has run; it pastes into vLLM and into kvtool."""
 
 import json
 import re
 from pathlib import Path
 
+from kvtool.engine.sizes import expand_json_human_readable_numbers
 from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "examples").rglob("*.md"))]
@@ -29,7 +31,7 @@ def test_every_json_snippet_in_the_docs_parses():
     for path in DOCS:
         for snippet in snippets(path):
             try:
-                json.loads(snippet)
+                json.loads(expand_json_human_readable_numbers(snippet))
             except json.JSONDecodeError as e:
                 bad.append(f"{path.relative_to(REPO)}: {snippet[:80]!r}: {e}")
     assert not bad, "\n".join(bad)
