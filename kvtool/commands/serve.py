@@ -52,6 +52,15 @@ def serve(
     enable_log_requests: Annotated[
         bool, typer.Option("--enable-log-requests", help="Log each request's id, prompt length and sampling.")
     ] = False,
+    enable_auto_tool_choice: Annotated[
+        bool, typer.Option("--enable-auto-tool-choice", help="Read tool calls from the model's output (tool_choice "
+                           "auto, required or a named function); needs --tool-call-parser.")
+    ] = False,
+    tool_call_parser: Annotated[
+        Optional[str],
+        typer.Option("--tool-call-parser", help="The model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), "
+                     "llama3_json or llama4_json."),
+    ] = None,
     uvicorn_log_level: Annotated[
         str, typer.Option("--uvicorn-log-level", help="critical, error, warning, info, debug or trace.")
     ] = "info",
@@ -71,6 +80,7 @@ def serve(
       kvtool serve
       kvtool serve DIR --port 8001 --served-model-name qwen3 --api-key secret
       kvtool serve --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'
+      kvtool serve QWEN_DIR --enable-auto-tool-choice --tool-call-parser hermes
     """
     import uvicorn
 
@@ -85,6 +95,7 @@ def serve(
     template_text = _read_chat_template(chat_template) if chat_template is not None else None
     if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
         raise ConfigError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
+    _refuse_tool_flags(enable_auto_tool_choice, tool_call_parser)
     _log_to_stderr(uvicorn_log_level)
     # Bind before loading the model, so a taken port fails at once; listen only once it is loaded.
     sock = _bind(host, port)
@@ -96,7 +107,8 @@ def serve(
             settings = ServerSettings(
                 served_model_names=served_model_name or [model], model_root=model, api_key=api_key,
                 generation_defaults=load_generation_defaults(generation_config, llm.model_dir.generation_config),
-                log_requests=enable_log_requests,
+                log_requests=enable_log_requests, tool_call_parser=tool_call_parser,
+                enable_auto_tool_choice=enable_auto_tool_choice,
             )
             tokenizer = llm.tokenizer.with_chat_template(template_text) if template_text is not None else None
             url = _url(sock)
@@ -155,6 +167,16 @@ def _draining_server(config):
                     signal.signal(sig, handler)
 
     return DrainingServer(config)
+
+
+def _refuse_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """vLLM's checks of the tool flags; kvtool checks the parser's name even without auto tool choice."""
+    from kvtool.server.tool_parsers import TOOL_CALL_PARSERS
+
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"invalid tool call parser: {tool_call_parser} (choose from {', '.join(TOOL_CALL_PARSERS)})")
 
 
 def _read_chat_template(value: str) -> str:

@@ -46,7 +46,8 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         assert spec.grammar is not None
         return matcher.grammar_from_lark(spec.grammar)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
+        # RecursionError: a schema given as JSON text nested too deep for the json module.
         raise InputError(f"invalid structured-output request: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 

@@ -2,7 +2,8 @@
 
 The server is split by role: `completions.py` and `chat.py` (the two generation routes),
 `admin.py` (health, metrics, version, models, tokenize), `streaming.py` (engine requests and
-their server-sent events), `sampling.py` (request fields to SamplingParams), `errors.py`
+their server-sent events), `request_body.py` and `json_bounds.py` (bodies nested too deep or
+too large), `sampling.py` (request fields to SamplingParams), `errors.py`
 (OpenAI's error shape, the API key), `protocol.py` (bodies), `engine_loop.py` (the one thread
 that steps the engine). Handlers tokenize in a worker thread and hand jobs to the EngineLoop;
 they never call the engine.
@@ -27,6 +28,7 @@ from kvtool.server.context import ServerContext, ServerSettings
 from kvtool.server.engine_loop import EngineLoop
 from kvtool.server.errors import APIError, RequireAPIKey, add_error_handlers
 from kvtool.server.metrics import ServerMetrics
+from kvtool.server.request_body import add_body_bounds
 from kvtool.server.router_endpoints import add_router_routes
 from kvtool.server.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 
@@ -81,6 +83,8 @@ def create_app(
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     add_router_routes(app)
+    # Outside the router's middleware, which parses the body: nothing parses a body nested too deep.
+    add_body_bounds(app)
     if settings.api_key is not None:
         app.add_middleware(RequireAPIKey, api_key=settings.api_key)
     add_error_handlers(app)

@@ -29,6 +29,10 @@ class ServerSettings:
     generation_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # --enable-log-requests: one log line per request (its id, prompt length and sampling).
     log_requests: bool = False
+    # --tool-call-parser: how tool calls are read from a model's output (a tool_parsers name);
+    # active only with --enable-auto-tool-choice, as in vLLM.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 class ServerContext:

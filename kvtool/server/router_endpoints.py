@@ -17,6 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kvtool.server.request_body import read_body, replay
+
 # Field -> the value that changes nothing in kvtool (vllm-router 0.1.17's defaults).
 ROUTER_NEUTRAL_FIELDS: dict[str, Any] = {
     "no_stop_trim": False,
@@ -47,19 +49,14 @@ class _DropRouterDefaults:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message]), send)  # a disconnect: pass it on
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = _without_neutral_fields(b"".join(chunks))
+        body, cut = await read_body(receive)
+        if cut is not None:
+            await self.app(scope, replay([cut]), send)  # a disconnect: pass it on
+            return
+        body = _without_neutral_fields(body)
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
-        await self.app({**scope, "headers": headers}, _replay([{"type": "http.request", "body": body}], receive), send)
+        await self.app({**scope, "headers": headers}, replay([{"type": "http.request", "body": body}], receive), send)
 
 
 def _without_neutral_fields(body: bytes) -> bytes:
@@ -74,15 +71,3 @@ def _without_neutral_fields(body: bytes) -> bytes:
         return body
     return json.dumps({k: v for k, v in doc.items() if k not in dropped}).encode()
 
-
-def _replay(messages: list[dict], then=None):
-    pending = list(messages)
-
-    async def receive() -> dict:
-        if pending:
-            return pending.pop(0)
-        if then is not None:
-            return await then()
-        return {"type": "http.disconnect"}
-
-    return receive

@@ -155,9 +155,15 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def make_sampling(
     body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
-    defaults: SamplingDefaults, tokenizer, seed_offset: int = 0,
+    defaults: SamplingDefaults, tokenizer, seed_offset: int = 0, tool_call_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams of one choice (choice i of n gets seed + i, as vLLM does)."""
+    """The engine's SamplingParams of one choice (choice i of n gets seed + i, as vLLM does).
+
+    tool_call_schema: the JSON schema that forces a chat request's tool calls; it replaces the
+    request's own structured-output fields, as in vLLM.
+    """
+    structured = (StructuredOutputsParams(json=tool_call_schema) if tool_call_schema is not None
+                  else structured_outputs_of(body))
     seed = None if body.seed is None else (body.seed + seed_offset) % 2**64
     try:
         return SamplingParams(
@@ -172,7 +178,7 @@ def make_sampling(
             logit_bias=logit_bias_ids(body.logit_bias),
             min_tokens=body.min_tokens,
             bad_words_token_ids=bad_words_token_ids(tokenizer, body.bad_words or []),
-            structured_outputs=structured_outputs_of(body),
+            structured_outputs=structured,
             seed=seed,
             stop=body.stop_strings,
             stop_token_ids=list(body.stop_token_ids or []),

@@ -16,8 +16,9 @@ from kvtool.server.engine_loop import Failed, Finished, Tokens
 from kvtool.server.errors import failed_error, kv_load_error
 from kvtool.server.streaming import DONE, IncrementalText, RequestHandle, merged_events, sse_error
 
-# chunk(choice index, text delta, token ids, logprobs, {"finish_reason": ..., "stop_reason": ...}) -> SSE line
-ChunkFn = Callable[[int, str, list[int], list[dict[int, float]], dict[str, Any]], str]
+# chunk(choice index, text delta, token ids, logprobs, {"finish_reason": ..., "stop_reason": ...}) -> SSE line,
+# or None when the step has nothing to send (text a tool-call parser holds back).
+ChunkFn = Callable[[int, str, list[int], list[dict[int, float]], dict[str, Any]], str | None]
 
 
 async def stream_choices(handles: list[RequestHandle], texts: list[IncrementalText], chunk: ChunkFn, *,
@@ -34,13 +35,17 @@ async def stream_choices(handles: list[RequestHandle], texts: list[IncrementalTe
         if isinstance(event, Tokens):
             delta = texts[i].push(event.token_ids)
             if delta or every_step:
-                yield chunk(i, delta, event.token_ids, event.logprobs or [], {"finish_reason": None})
+                line = chunk(i, delta, event.token_ids, event.logprobs or [], {"finish_reason": None})
+                if line is not None:
+                    yield line
         elif isinstance(event, Finished):
             r = event.result
             results[i] = r
             n = texts[i].num_tokens
             final = {"finish_reason": r.finish_reason, "stop_reason": event.stop_reason}
-            yield chunk(i, texts[i].finish(r.text), r.output_token_ids[n:], (r.logprobs or [])[n:], final)
+            line = chunk(i, texts[i].finish(r.text), r.output_token_ids[n:], (r.logprobs or [])[n:], final)
+            if line is not None:
+                yield line
             if r.finish_reason == "error":
                 yield sse_error(kv_load_error(r))
         elif isinstance(event, Failed):

@@ -255,6 +255,13 @@ def test_guided_regex_choice_and_structured_outputs(client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    # This server runs without --enable-auto-tool-choice: tools (auto by default) and forced calls are refused.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
+        "a": list(range(70000))}}, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "temperature": 3.0}, "temperature"),
@@ -281,6 +288,42 @@ def test_bad_input_is_a_400_in_openai_s_shape_and_the_server_keeps_serving(serve
     if body.get("max_tokens") == 100000:
         assert err["message"] == ("max_tokens=100000 cannot be greater than max_model_len=256. "
                                   "Please request fewer output tokens.")
+    if body.get("tools") and param == "tool_choice":
+        assert "requires --enable-auto-tool-choice and --tool-call-parser to be set" in err["message"]
+    _assert_serving(client)
+
+
+def _nested(levels: int, leaf: str = "1") -> str:
+    return "[" * levels + leaf + "]" * levels
+
+
+_CHAT = '"messages": [{"role": "user", "content": "x"}]'
+DEEP_BODIES = {
+    "kv_transfer_params": ("/v1/completions", '{"prompt": "x", "kv_transfer_params": {"a": %s}}' % _nested(5000)),
+    "structured_outputs": ("/v1/completions", '{"prompt": "x", "structured_outputs": {"json": {"a": %s}}}' % _nested(3000)),
+    "guided_json": ("/v1/completions", '{"prompt": "x", "guided_json": %s}' % json.dumps(_nested(3000))),
+    "response_format": ("/v1/chat/completions", '{%s, "response_format": {"type": "json_schema", "json_schema": '
+                        '{"name": "x", "schema": {"a": %s}}}}' % (_CHAT, _nested(3000))),
+    "chat_template_kwargs": ("/v1/chat/completions", '{%s, "chat_template_kwargs": {"a": %s}}' % (_CHAT, _nested(5000))),
+    "tools": ("/v1/chat/completions", '{%s, "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+              '{"a": %s}}}]}' % (_CHAT, _nested(5000))),
+    "messages": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x", "extra": %s}]}' % _nested(5000)),
+    "tool_calls": ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"type": "function", '
+                   '"function": {"name": "f", "arguments": %s}}]}]}' % json.dumps(_nested(5000))),
+    "body": ("/v1/completions", _nested(100_000)),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEP_BODIES))
+def test_bodies_nested_thousands_deep_are_a_400_naming_the_field(server, client, name):
+    path, body = DEEP_BODIES[name]
+    r = httpx.post(f"{server.url}{path}", content=body, timeout=120,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS and err["type"] == "invalid_request_error"
+    assert "64 levels deep" in err["message"]
+    assert err["param"] == {"tool_calls": "messages", "body": None}.get(name, name)
     _assert_serving(client)
 
 
