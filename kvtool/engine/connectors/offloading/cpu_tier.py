@@ -13,6 +13,7 @@ the worker half reports the job finished. The worker half only moves bytes into 
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 
 import torch
@@ -20,12 +21,18 @@ import torch
 from kvtool.engine.kv_pages import DTYPES, KVGeometry
 
 
-def plan_num_slots(geometry: KVGeometry, blocks_per_slot: int, cpu_bytes: int | None, num_slots: int | None) -> int:
-    """Slots of the pool from cpu_bytes_to_use (vLLM's key) or num_cpu_blocks; at least one."""
+def plan_num_slots(slot_bytes_all_ranks: int, cpu_bytes: int | None, num_slots: int | None) -> int:
+    """Slots of the pool from num_cpu_blocks, or from cpu_bytes_to_use as vLLM sizes it; at least one.
+
+    `slot_bytes_all_ranks`: one offload block's bytes summed over every tensor-parallel rank.
+    vLLM counts cpu_bytes_to_use across all workers and gives each offload block a page-aligned
+    share, so a slot costs that sum rounded up to the page size (cpu/spec.py); the same
+    cpu_bytes_to_use gives kvtool the same number of slots, each rank holding its shard of each.
+    """
     if num_slots is not None:
         return num_slots
-    slot_bytes = geometry.bytes_per_block * blocks_per_slot
-    return max(1, (cpu_bytes or 0) // slot_bytes)
+    aligned = -(-slot_bytes_all_ranks // mmap.PAGESIZE) * mmap.PAGESIZE
+    return max(1, (cpu_bytes or 0) // aligned)
 
 
 class SlotIndex:
