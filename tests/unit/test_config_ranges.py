@@ -83,7 +83,7 @@ def test_lmcache_values_outside_their_range_are_refused(extra, needle):
         ({"root_dir": "/tmp/a\0b"}, "root_dir must be a string"),
         ({"root_dir": ""}, "root_dir must be a string of 1 to 4096"),
         ({"fs_capacity_bytes": "80x"}, "fs_capacity_bytes must be a size"),
-        ({"eviction_policy": "arc"}, "eviction_policy must be one of 'lru'"),
+        ({"eviction_policy": "mru"}, "eviction_policy must be one of 'lru', 'arc'"),
         ({"group_idx": 1}, "group_idx must be an integer >= 0 and <= 0"),
         ({"layerwise": "yes"}, "layerwise must be true or false"),
         ({"root_dri": "kv-tier"}, "unknown key 'root_dri' (did you mean root_dir?); known keys: cpu_bytes_to_use,"),

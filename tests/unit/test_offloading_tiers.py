@@ -27,7 +27,7 @@ def test_lru_eviction_skips_pinned_slots():
     assert tier.allocate(b"d") is None  # every slot pinned
     tier.unpin(a)
     tier.unpin(c)
-    tier.touch(b"a")  # a is now the most recently used
+    tier.touch([b"a"])  # a is now the most recently used
     d = tier.allocate(b"d")
     assert d == c and tier.lookup(b"a") == a
 
@@ -66,7 +66,7 @@ def test_settings_and_one_line_refusal_for_unknown_keys():
     [
         ({"offload_block_tokens": 24}, "not a multiple of the block size 16"),
         ({"num_cpu_blocks": 0}, "num_cpu_blocks must be an integer >= 1"),
-        ({"eviction_policy": "arc"}, "eviction_policy"),
+        ({"eviction_policy": "fifo"}, "eviction_policy must be one of 'lru', 'arc'"),
         ({"root_dir": 5}, "root_dir"),
         ({"group_idx": 1}, "group_idx"),
         ({"layerwise": "yes"}, "layerwise"),

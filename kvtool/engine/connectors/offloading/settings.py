@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
+from kvtool.engine.connectors.offloading.eviction import POLICY_NAMES
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
 
@@ -24,7 +25,7 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
              doc="offload blocks of the CPU tier, instead of cpu_bytes_to_use"),
     ExtraKey(name="fs_capacity_bytes", kind="size", default=0, low=0, high=MAX_SIZE_BYTES,
              doc="most bytes of block files under root_dir; 0 = unlimited"),
-    ExtraKey(name="eviction_policy", kind="choice", default="lru", choices=("lru",)),
+    ExtraKey(name="eviction_policy", kind="choice", default="lru", choices=POLICY_NAMES),
     ExtraKey(name="offload_block_tokens", kind="int", aliases=("block_size",), low=1, high=MAX_OFFLOAD_BLOCK_TOKENS,
              doc="tokens per offload block, a multiple of the engine block size (default: the block size)"),
     ExtraKey(name="offload_prompt_only", kind="bool", default=True),
@@ -44,7 +45,7 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     cpu_bytes_to_use: int | None = None
     num_cpu_blocks: int | None = None
     fs_capacity_bytes: int = 0  # 0 = unlimited
-    eviction_policy: Literal["lru"] = "lru"
+    eviction_policy: Literal["lru", "arc"] = "lru"
     offload_block_tokens: int | None = None  # a multiple of the engine block size
     offload_prompt_only: bool = True
     group_idx: int = 0
