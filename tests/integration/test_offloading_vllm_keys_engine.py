@@ -5,6 +5,7 @@ from kvtool.engine.outputs import CPUTierUsage
 from kvtool.engine.params import SamplingParams
 from tests.unit.offload_replay import offloading_config, prompt
 
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -33,3 +34,19 @@ def test_arc_keeps_a_reused_chunk_through_a_scan_that_lru_evicts_it_with(make_en
         last_hit[policy] = last.stats.num_external_tokens
         assert engine.stats().cpu_tier == CPUTierUsage(num_slots=4, num_filled=4, num_pinned=0)
     assert last_hit == {"lru": 0, "arc": 16}
+
+
+def test_store_threshold_two_stores_a_chunk_on_its_second_offer(make_engine):
+    p = prompt(70, seed=3)
+    ref = make_engine().generate([p], GREEDY)[0]
+    engine = make_engine(kv_transfer_config=offloading_config(num_cpu_blocks=8, store_threshold=2),
+                         enable_prefix_caching=False)
+    first = run(engine, p, GREEDY)
+    assert first.stats.num_external_stored_tokens == 0
+    assert engine.stats().cpu_tier == CPUTierUsage(num_slots=8, num_filled=0, num_pinned=0)
+    second = run(engine, p, GREEDY)
+    assert second.stats.num_external_tokens == 0 and second.stats.num_external_stored_tokens == 64
+    assert engine.stats().cpu_tier.num_filled == 4
+    third = run(engine, p, GREEDY)
+    assert third.stats.num_external_tokens == 64
+    assert first.output_token_ids == second.output_token_ids == third.output_token_ids == ref.output_token_ids

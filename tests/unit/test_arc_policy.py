@@ -155,13 +155,15 @@ def random_requests(seed: int, n: int = 60) -> list[list[str]]:
 
 @pytest.mark.peer
 def test_same_hits_and_evictions_as_vllms_cpu_tier():
-    """Random sequences through vLLM's own CPUOffloadingManager (arc and lru) and through the
-    scheduler half."""
-    cases = [(policy, seed) for policy in ("arc", "lru") for seed in range(3)]
+    """Random sequences through vLLM's own CPUOffloadingManager (arc and lru, with and without
+    store_threshold, trackers small enough to forget) and through the scheduler half."""
+    cases = [(policy, seed, threshold, tracker) for policy in ("arc", "lru") for seed in range(3)
+             for threshold, tracker in ((0, 64_000), (2, 64_000), (2, 5), (3, 4))]
     requests = {seed: random_requests(seed) for seed in range(3)}
     requests[0] = [s.split() for s in SEQUENCE]
-    specs = [vllm_spec(p, 6 if s else 4, requests[s]) for p, s in cases]
+    specs = [vllm_spec(p, 6 if s else 4, requests[s], t, m) for p, s, t, m in cases]
     theirs = replay_vllm(require_peer_python(), specs)
-    for (policy, seed), expected in zip(cases, theirs):
-        half = make_half(num_cpu_blocks=6 if seed else 4, eviction_policy=policy)
-        assert replay_kvtool(half, requests[seed]) == expected, (policy, seed)
+    for (policy, seed, threshold, tracker), expected in zip(cases, theirs):
+        half = make_half(num_cpu_blocks=6 if seed else 4, eviction_policy=policy, store_threshold=threshold,
+                         max_tracker_size=tracker)
+        assert replay_kvtool(half, requests[seed]) == expected, (policy, seed, threshold, tracker)

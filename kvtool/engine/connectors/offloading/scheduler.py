@@ -9,8 +9,9 @@ by the KV-cache group index as 4 big-endian bytes. A lookup walks the chain long
 first, in the CPU tier, then on disk; a disk hit is promoted into a CPU slot and loaded from it.
 
 Each step, a request offers the chunks it completed to the CPU tier, one batch per request (its
-loaded chunks are not offered again). Room is made by the eviction policy (eviction.py), never
-at the expense of the batch itself or of a pinned slot. The policy learns
+loaded chunks are not offered again). With store_threshold the batch is counted first and only
+chunks offered often enough are stored (store_filter.py); room is made by the eviction policy
+(eviction.py), never at the expense of the batch itself or of a pinned slot. The policy learns
 from each request's loads and offers when the request finishes, as vLLM's CPU tier does.
 """
 
@@ -23,6 +24,7 @@ from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.eviction import RequestAccess
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
+from kvtool.engine.connectors.offloading.store_filter import make_offer_counter
 from kvtool.engine.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.messages import KVConnectorOutput
 from kvtool.engine.outputs import CPUTierUsage
@@ -41,6 +43,7 @@ class OffloadingScheduler(SchedulerHalf):
         super().__init__(ctx)
         self.settings = settings
         self.slots = SlotIndex(num_slots, settings.eviction_policy)
+        self.offer_counter = make_offer_counter(settings.store_threshold, settings.max_tracker_size)
         self.disk = disk_index
         self.block_size = ctx.identity.geometry.block_size
         self.obt = settings.offload_block_tokens or self.block_size
@@ -185,6 +188,8 @@ class OffloadingScheduler(SchedulerHalf):
             return []
         hit_end = self.hit_chunks.get(rid, 0)
         offer = {j: self._key(req, j) for j in range(first, full)}
+        if self.offer_counter is not None:
+            self.offer_counter.record_offer([key for j, key in offer.items() if j >= hit_end])
         access = self._access(rid)
         has_disk = self.disk is not None
         jobs: list[tuple[int, StoreJob]] = []
@@ -202,7 +207,7 @@ class OffloadingScheduler(SchedulerHalf):
                 if has_disk and not on_disk:
                     self.slots.pin(slot)
                     jobs.append((j, self._store(req, j, slot, copy=False)))
-            elif not on_disk:
+            elif not on_disk and (self.offer_counter is None or self.offer_counter.admits(key)):
                 to_copy.append(j)
         self.slots.touch(held)
         if to_copy:

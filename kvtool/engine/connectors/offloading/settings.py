@@ -14,6 +14,10 @@ from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
 CONNECTOR = "OffloadingConnector"
 MAX_OFFLOAD_BLOCK_TOKENS = 1 << 20
 MAX_CPU_BLOCKS = 1 << 31
+MAX_TRACKER_KEYS = 1 << 31
+MAX_STORE_THRESHOLD = 1 << 31
+# vLLM's default for store_threshold's LRU table.
+DEFAULT_MAX_TRACKER_SIZE = 64_000
 MAX_PATH_CHARS = 4096
 
 OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
@@ -28,6 +32,10 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="eviction_policy", kind="choice", default="lru", choices=POLICY_NAMES),
     ExtraKey(name="offload_block_tokens", kind="int", aliases=("block_size",), low=1, high=MAX_OFFLOAD_BLOCK_TOKENS,
              doc="tokens per offload block, a multiple of the engine block size (default: the block size)"),
+    ExtraKey(name="store_threshold", kind="int", default=0, low=0, high=MAX_STORE_THRESHOLD,
+             doc="offers of a chunk before it is stored; below 2: every offer stores"),
+    ExtraKey(name="max_tracker_size", kind="int", default=DEFAULT_MAX_TRACKER_SIZE, low=1, high=MAX_TRACKER_KEYS,
+             doc="keys store_threshold counts offers for (an LRU table)"),
     ExtraKey(name="offload_prompt_only", kind="bool", default=True),
     ExtraKey(name="group_idx", kind="int", default=0, low=0, high=0,
              doc="the KV-cache group; this engine has one"),
@@ -47,6 +55,10 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     fs_capacity_bytes: int = 0  # 0 = unlimited
     eviction_policy: Literal["lru", "arc"] = "lru"
     offload_block_tokens: int | None = None  # a multiple of the engine block size
+    # A chunk is stored on its store_threshold-th offer (below 2: the first); offers are counted
+    # for the max_tracker_size most recently offered keys (store_filter.py).
+    store_threshold: int = 0
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     offload_prompt_only: bool = True
     group_idx: int = 0
     # kvtool's key: on CUDA, load and save layer by layer during the forward. Loads go through
