@@ -50,3 +50,16 @@ def test_store_threshold_two_stores_a_chunk_on_its_second_offer(make_engine):
     third = run(engine, p, GREEDY)
     assert third.stats.num_external_tokens == 64
     assert first.output_token_ids == second.output_token_ids == third.output_token_ids == ref.output_token_ids
+
+
+def test_blocks_per_chunk_four_gives_64_token_offload_blocks(make_engine):
+    p = prompt(150, seed=4)
+    ref = make_engine().generate([p], GREEDY)[0]
+    engine = make_engine(kv_transfer_config=offloading_config(num_cpu_blocks=4, blocks_per_chunk=4),
+                         enable_prefix_caching=False)
+    assert engine.scheduler_connector.obt == 64 and engine.worker_connector.pool.blocks_per_slot == 4
+    first = run(engine, p, GREEDY)
+    assert first.stats.num_external_stored_tokens == 128  # two whole 64-token blocks of 150 tokens
+    second = run(engine, p, GREEDY)
+    assert second.stats.num_external_tokens == 128
+    assert first.output_token_ids == second.output_token_ids == ref.output_token_ids

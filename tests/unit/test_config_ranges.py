@@ -86,7 +86,8 @@ def test_lmcache_values_outside_their_range_are_refused(extra, needle):
         ({"eviction_policy": "mru"}, "eviction_policy must be one of 'lru', 'arc'"),
         ({"group_idx": 1}, "group_idx must be an integer >= 0 and <= 0"),
         ({"layerwise": "yes"}, "layerwise must be true or false"),
-        ({"root_dri": "kv-tier"}, "unknown key 'root_dri' (did you mean root_dir?); known keys: cpu_bytes_to_use,"),
+        ({"root_dri": "kv-tier"},
+         "unknown key 'root_dri' (did you mean root_dir?); known keys: blocks_per_chunk, cpu_bytes_to_use,"),
     ],
 )
 def test_offloading_values_outside_their_range_are_refused(extra, needle):

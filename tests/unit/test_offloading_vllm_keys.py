@@ -1,11 +1,37 @@
-"""vLLM 0.33's store_threshold and max_tracker_size: a chunk stored on its n-th offer."""
+"""vLLM 0.33's OffloadingConnector keys: blocks_per_chunk, store_threshold / max_tracker_size."""
+
+import json
 
 import pytest
 
+from kvtool.engine.connectors.config import parse_kv_transfer_config
+from kvtool.engine.connectors.offloading.connector import OffloadingConnector
 from kvtool.engine.connectors.offloading.settings import parse_settings
 from kvtool.engine.connectors.offloading.store_filter import OfferCounter, make_offer_counter
 from kvtool.engine.errors import ConfigError
 from tests.unit.offload_replay import make_half, replay_kvtool
+
+
+def refusal(extra: dict, block_size: int = 16) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_settings(extra, block_size)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("invalid OffloadingConnector"), message
+    return message
+
+
+def test_blocks_per_chunk_counts_engine_blocks_and_excludes_block_size():
+    assert parse_settings({"blocks_per_chunk": 4}, 16).offload_block_tokens == 64
+    assert parse_settings({"blocks_per_chunk": 1}, 32).offload_block_tokens == 32
+    assert parse_settings({}, 16).offload_block_tokens == 16
+    for other in ("block_size", "offload_block_tokens"):
+        assert "give one of block_size (offload_block_tokens) or blocks_per_chunk" in refusal(
+            {"blocks_per_chunk": 4, other: 64})
+    assert "blocks_per_chunk must be an integer >= 1" in refusal({"blocks_per_chunk": 0})
+    assert "more than 1048576" in refusal({"blocks_per_chunk": 1 << 20})
+    config = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                  "kv_connector_extra_config": {"blocks_per_chunk": 4}}))
+    assert OffloadingConnector.hit_unit_tokens(config, 16) == 64
 
 
 def test_store_threshold_below_two_stores_on_the_first_offer():

@@ -32,6 +32,8 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="eviction_policy", kind="choice", default="lru", choices=POLICY_NAMES),
     ExtraKey(name="offload_block_tokens", kind="int", aliases=("block_size",), low=1, high=MAX_OFFLOAD_BLOCK_TOKENS,
              doc="tokens per offload block, a multiple of the engine block size (default: the block size)"),
+    ExtraKey(name="blocks_per_chunk", kind="int", low=1, high=MAX_OFFLOAD_BLOCK_TOKENS,
+             doc="engine blocks per offload block, instead of block_size"),
     ExtraKey(name="store_threshold", kind="int", default=0, low=0, high=MAX_STORE_THRESHOLD,
              doc="offers of a chunk before it is stored; below 2: every offer stores"),
     ExtraKey(name="max_tracker_size", kind="int", default=DEFAULT_MAX_TRACKER_SIZE, low=1, high=MAX_TRACKER_KEYS,
@@ -55,6 +57,7 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     fs_capacity_bytes: int = 0  # 0 = unlimited
     eviction_policy: Literal["lru", "arc"] = "lru"
     offload_block_tokens: int | None = None  # a multiple of the engine block size
+    blocks_per_chunk: int | None = None  # resolved into offload_block_tokens
     # A chunk is stored on its store_threshold-th offer (below 2: the first); offers are counted
     # for the max_tracker_size most recently offered keys (store_filter.py).
     store_threshold: int = 0
@@ -77,12 +80,7 @@ def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int 
     """
     values = parse_extra(CONNECTOR, OFFLOADING_KEYS, extra)
     s = OffloadingSettings(**values)  # type: ignore[arg-type]
-    obt = s.offload_block_tokens or engine_block_size
-    if obt % engine_block_size:
-        raise ConfigError(
-            f"invalid {CONNECTOR} config: offload_block_tokens {obt} is not a multiple of "
-            f"the block size {engine_block_size}; round it up to {-(-obt // engine_block_size) * engine_block_size}"
-        )
+    obt = _offload_block_tokens(s, engine_block_size, f"invalid {CONNECTOR} config")
     if s.cpu_bytes_to_use is not None:
         check_fits_memory(f"{CONNECTOR} cpu_bytes_to_use", s.cpu_bytes_to_use)
     if s.num_cpu_blocks is not None and kv_bytes_per_block is not None:
@@ -91,3 +89,23 @@ def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int 
             f"{CONNECTOR} num_cpu_blocks {s.num_cpu_blocks}", s.num_cpu_blocks * blocks_per_slot * kv_bytes_per_block
         )
     return msgspec.structs.replace(s, offload_block_tokens=obt)
+
+
+def _offload_block_tokens(s: OffloadingSettings, engine_block_size: int, where: str) -> int:
+    """Tokens per offload block: block_size (offload_block_tokens), blocks_per_chunk engine blocks,
+    or one engine block; block_size and blocks_per_chunk exclude each other, as in vLLM."""
+    if s.blocks_per_chunk is not None:
+        if s.offload_block_tokens is not None:
+            raise ConfigError(f"{where}: give one of block_size (offload_block_tokens) or blocks_per_chunk, not both")
+        obt = s.blocks_per_chunk * engine_block_size
+        if obt > MAX_OFFLOAD_BLOCK_TOKENS:
+            raise ConfigError(f"{where}: blocks_per_chunk {s.blocks_per_chunk} makes offload blocks of {obt} tokens, "
+                              f"more than {MAX_OFFLOAD_BLOCK_TOKENS}")
+        return obt
+    obt = s.offload_block_tokens or engine_block_size
+    if obt % engine_block_size:
+        raise ConfigError(
+            f"{where}: offload_block_tokens {obt} is not a multiple of the block size {engine_block_size}; round it "
+            f"up to {-(-obt // engine_block_size) * engine_block_size}, or give blocks_per_chunk"
+        )
+    return obt
