@@ -1,4 +1,5 @@
-"""vLLM 0.33's OffloadingConnector keys: blocks_per_chunk, store_threshold / max_tracker_size."""
+"""vLLM 0.33's OffloadingConnector keys: spec_name, secondary_tiers, blocks_per_chunk,
+eviction_policy, store_threshold / max_tracker_size, the tiering keys, and what is refused."""
 
 import json
 
@@ -20,6 +21,9 @@ def refusal(extra: dict, block_size: int = 16) -> str:
     return message
 
 
+TIERING = {"spec_name": "TieringOffloadingSpec"}
+
+
 def test_blocks_per_chunk_counts_engine_blocks_and_excludes_block_size():
     assert parse_settings({"blocks_per_chunk": 4}, 16).offload_block_tokens == 64
     assert parse_settings({"blocks_per_chunk": 1}, 32).offload_block_tokens == 32
@@ -34,9 +38,72 @@ def test_blocks_per_chunk_counts_engine_blocks_and_excludes_block_size():
     assert OffloadingConnector.hit_unit_tokens(config, 16) == 64
 
 
+def test_the_tiering_spec_maps_an_fs_tier_onto_the_disk_tier():
+    s = parse_settings({**TIERING, "cpu_bytes_to_use": 10 << 30,
+                        "secondary_tiers": [{"type": "fs", "root_dir": "/srv/kv"}]}, 16)
+    assert s.root_dir == "/srv/kv" and s.cpu_bytes_to_use == 10 << 30  # 10 GiB fits this machine's check
+    assert s.disk_events is False and s.disk_locality is None  # vLLM's fs tier: no events unless asked
+    s = parse_settings({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/srv/kv", "locality": "REMOTE",
+                                                        "enable_kv_events": True}], "tier_poll_interval_s": 0}, 16)
+    assert (s.disk_events, s.disk_locality, s.tier_poll_interval_s) == (True, "REMOTE", 0.0)
+    assert parse_settings({**TIERING, "secondary_tiers": []}, 16).root_dir is None  # CPU only, as in vLLM
+    assert parse_settings({**TIERING, "root_dir": "/srv/kv"}, 16).disk_events is True  # kvtool's key
+    assert parse_settings({"root_dir": "/srv/kv"}, 16).root_dir == "/srv/kv"
+    config = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                  "kv_connector_extra_config": {**TIERING, "secondary_tiers": [
+                                                      {"type": "fs", "root_dir": "/srv/kv"}]}}))
+    assert OffloadingConnector.outlives_engine(config)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"secondary_tiers": [{"type": "fs", "root_dir": "/x"}]},
+     "secondary_tiers is read only with spec_name 'TieringOffloadingSpec' (vLLM ignores it under 'CPUOffloadingSpec')"),
+    ({"tier_poll_interval_s": 0.01}, "tier_poll_interval_s is read only with spec_name 'TieringOffloadingSpec'"),
+    ({**TIERING, "secondary_tiers": {"type": "fs"}}, "secondary_tiers must be a JSON array"),
+    ({**TIERING, "secondary_tiers": ["fs"]}, "each entry must be a JSON object"),
+    ({**TIERING, "secondary_tiers": [{"root_dir": "/x"}]}, "an entry needs a type"),
+    ({**TIERING, "secondary_tiers": [{"type": "p2p"}]},
+     "vLLM's 'p2p' tier is not supported; kvtool implements only the fs"),
+    ({**TIERING, "secondary_tiers": [{"type": "obj", "store_config": {}}]}, "vLLM's 'obj' tier is not supported"),
+    ({**TIERING, "secondary_tiers": [{"type": "kvcr"}]}, "vLLM's 'kvcr' tier is not supported"),
+    ({**TIERING, "secondary_tiers": [{"type": "example"}]}, "vLLM's 'example' tier is not supported"),
+    ({**TIERING, "secondary_tiers": [{"type": "MyTier", "module_path": "my.tiers"}]},
+     "an out-of-tree 'MyTier' tier is not supported"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a"}, {"type": "fs", "root_dir": "/b"}]},
+     "at most one entry (of type fs), got 2"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs"}]}, "the fs tier needs root_dir"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "n_read_threads": 8}]},
+     "secondary_tiers config: n_read_threads is not supported: kvtool's disk tier is read by the worker half"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "n_write_threads": 8}]},
+     "n_write_threads is not supported"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "backpressure": {}}]},
+     "backpressure is not supported: kvtool's disk tier never drops a store under pressure"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "module_path": "x"}]}, "module_path is not"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "locality": "local"}]},
+     "locality must be one of 'LOCAL', 'REMOTE'"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a", "rootdir": "/b"}]},
+     "unknown key 'rootdir' (did you mean root_dir?)"),
+    ({**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": "/a"}], "root_dir": "/b"}, "give the disk tier once"),
+    ({**TIERING, "tier_poll_interval_s": "fast"}, "tier_poll_interval_s must be a number"),
+    ({**TIERING, "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}, "backpressure is not supported"),
+    ({**TIERING, "store_threshold": 2},
+     "store_threshold 2 is not supported with TieringOffloadingSpec (as in vLLM); values below 2 turn the filter off"),
+    ({"spec_name": "SharedStorageOffloadingSpec", "spec_module_path": "llmd_fs_backend.spec"},
+     "spec_module_path is not supported: kvtool implements CPUOffloadingSpec and TieringOffloadingSpec"),
+    ({"spec_name": "SharedStorageOffloadingSpec"},
+     "spec_name must be one of 'CPUOffloadingSpec', 'TieringOffloadingSpec'"),
+    ({"eviction_policy": "MyPolicy", "cache_policy_module_path": "my.policies"},
+     "cache_policy_module_path is not supported: kvtool's eviction policies are its own lru and arc"),
+    ({"store_threshold": -1}, "store_threshold must be an integer >= 0"),
+    ({"max_tracker_size": 0}, "max_tracker_size must be an integer >= 1"),
+])
+def test_what_kvtool_cannot_honour_is_refused_in_one_line(extra, needle):
+    assert needle in refusal(extra)
+
+
 def test_store_threshold_below_two_stores_on_the_first_offer():
     for threshold in (0, 1):
-        assert parse_settings({"store_threshold": threshold}, 16).store_threshold == threshold
+        assert parse_settings({**TIERING, "store_threshold": threshold}, 16).store_threshold == threshold
         assert make_offer_counter(threshold, 10) is None
     s = parse_settings({"store_threshold": 3, "max_tracker_size": 100}, 16)
     assert (s.store_threshold, s.max_tracker_size) == (3, 100)
@@ -74,12 +141,3 @@ def test_store_threshold_stores_a_chunk_on_its_threshold_th_offer():
     half = make_half(num_cpu_blocks=8, store_threshold=2)
     replayed = replay_kvtool(half, [["p0", "a1"], ["p0", "b1"], ["p0", "a1"]])
     assert [r["stored"] for r in replayed] == [[], ["p0"], ["a1"]]
-
-
-@pytest.mark.parametrize("extra, needle", [
-    ({"store_threshold": -1}, "store_threshold must be an integer >= 0"),
-    ({"max_tracker_size": 0}, "max_tracker_size must be an integer >= 1"),
-])
-def test_out_of_range_values_are_refused(extra, needle):
-    with pytest.raises(ConfigError, match=needle):
-        parse_settings(extra, 16)

@@ -38,6 +38,21 @@ def block_hash_of(key: bytes) -> bytes:
     return key[:-4]
 
 
+class StorageLocalityRecorder(OffloadEventRecorder):
+    """The tier's KV events, its STORAGE ones carrying the fs tier's `locality`, as vLLM labels them."""
+
+    def __init__(self, locality: str) -> None:
+        super().__init__()
+        self.locality = locality
+
+    def take_events(self) -> list:
+        events = super().take_events()
+        for event in events:
+            if event.medium == MEDIUM_STORAGE:
+                event.locality = self.locality
+        return events
+
+
 class OffloadingScheduler(SchedulerHalf):
     def __init__(self, ctx: ConnectorContext, settings, num_slots: int, disk_index: DiskIndex | None) -> None:
         super().__init__(ctx)
@@ -72,10 +87,14 @@ class OffloadingScheduler(SchedulerHalf):
         self.events: OffloadEventRecorder | None = None
         self.job_events: dict[int, tuple] = {}
         self.disk_events: dict[bytes, tuple] = {}
+        # The disk tier's STORAGE events are off for a secondary_tiers fs entry without
+        # enable_kv_events, as vLLM's fs tier publishes none then.
+        self.publish_disk_events = settings.disk_events
 
     def kv_event_recorder(self) -> OffloadEventRecorder:
         if self.events is None:
-            self.events = OffloadEventRecorder()
+            locality = self.settings.disk_locality
+            self.events = StorageLocalityRecorder(locality) if locality else OffloadEventRecorder()
         return self.events
 
     def _access(self, request_id: str) -> RequestAccess:
@@ -235,7 +254,7 @@ class OffloadingScheduler(SchedulerHalf):
             args = self._event_args(req, j)
             if copy:
                 self.job_events[job_id] = args
-            if write:
+            if write and self.publish_disk_events:
                 self.disk_events[block_hash_of(key)] = args
         if write:
             bh = block_hash_of(key)
@@ -256,7 +275,7 @@ class OffloadingScheduler(SchedulerHalf):
                         self._announce(MEDIUM_STORAGE, self.disk_events.pop(bh))
                 for bh in done.evicted:
                     self.disk.discard(bh)
-                    if self.events is not None:
+                    if self.events is not None and self.publish_disk_events:
                         self.events.removed(MEDIUM_STORAGE, bh + self.group_suffix)
             if self.events is not None:
                 failed_keys = {j.key for j in self.inflight_loads if not output.invalid_block_ids.isdisjoint(j.block_ids)}
