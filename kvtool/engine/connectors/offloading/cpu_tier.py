@@ -137,6 +137,19 @@ class SlotIndex:
             else:
                 self._free.append(slot)
 
+    def clear(self) -> list[bytes]:
+        """Forget every key whose slot is not pinned, and what the policy learnt; returns them.
+
+        Pinned keys stay (a job still reads or fills their slot): `len(self)` says how many.
+        """
+        gone = [key for key, slot in self._index.items() if not self._pins[slot]]
+        for key in gone:
+            self._free.append(self._index.pop(key))
+            self.policy.remove(key)
+            self._filling.discard(key)
+        self.policy.forget_history()
+        return gone
+
     def take_evicted(self) -> list[bytes]:
         """Keys evicted by `allocate` since the last call."""
         evicted, self._evicted = self._evicted, []

@@ -338,6 +338,26 @@ class OffloadingScheduler(SchedulerHalf):
             self.slots.request_finished(access)
         return False, None
 
+    def reset_cache(self) -> bool:
+        """Forget every CPU-tier entry, the offer counts of store_threshold and what the eviction
+        policy learnt; the disk tier (and its index) is kept.
+
+        A slot pinned by a job in flight cannot be dropped: its entry stays, and the answer is
+        False once everything else is gone, for the caller to retry after a step. Each dropped
+        entry is announced as a CPU BlockRemoved when KV events are on (vLLM 0.33 announces
+        none, which leaves a subscriber holding blocks the tier no longer has). Running
+        requests offer their chunks again from the first, as after vLLM's reset.
+        """
+        for key in self.slots.clear():
+            if self.events is not None:
+                self.events.removed(MEDIUM_CPU, key)
+        if self.offer_counter is not None:
+            self.offer_counter.clear()
+        self.next_store = dict.fromkeys(self.next_store, 0)
+        self.hit_chunks.clear()
+        self.accesses.clear()
+        return len(self.slots) == 0
+
     def cpu_tier_usage(self) -> CPUTierUsage:
         # Every pin is a job's (job_slots), so the pinned slots are counted from the few jobs in
         # flight rather than by a walk over every slot at each step.
