@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
+from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
 from kvtool.engine.connectors.lmcache.settings import parse_settings as lmcache_settings
 from kvtool.engine.connectors.offloading.identity import MAX_HEADER_BYTES, encode_header, make_block_header
 from kvtool.engine.connectors.offloading.settings import parse_settings as offloading_settings
@@ -82,10 +83,11 @@ def test_lmcache_values_outside_their_range_are_refused(extra, needle):
         ({"root_dir": "/tmp/a\0b"}, "root_dir must be a string"),
         ({"root_dir": ""}, "root_dir must be a string of 1 to 4096"),
         ({"fs_capacity_bytes": "80x"}, "fs_capacity_bytes must be a size"),
-        ({"eviction_policy": "arc"}, "eviction_policy must be one of 'lru'"),
+        ({"eviction_policy": "mru"}, "eviction_policy must be one of 'lru', 'arc'"),
         ({"group_idx": 1}, "group_idx must be an integer >= 0 and <= 0"),
         ({"layerwise": "yes"}, "layerwise must be true or false"),
-        ({"root_dri": "kv-tier"}, "unknown key 'root_dri' (did you mean root_dir?); known keys: cpu_bytes_to_use,"),
+        ({"root_dri": "kv-tier"},
+         "unknown key 'root_dri' (did you mean root_dir?); known keys: blocks_per_chunk, cpu_bytes_to_use,"),
     ],
 )
 def test_offloading_values_outside_their_range_are_refused(extra, needle):
@@ -142,3 +144,16 @@ def test_a_header_of_the_longest_accepted_strings_fits_what_a_reader_accepts():
 )
 def test_engine_params_are_bounded(params, needle):
     assert needle in refusal(msgspec.convert, params, EngineParams)
+
+
+def test_refused_keys_are_refused_before_values_and_left_out_of_the_known_keys():
+    keys = (ExtraKey(name="size", kind="int", low=1), ExtraKey(name="tiers", kind="list"),
+            ExtraKey(name="knobs", kind="object", default={}),
+            ExtraKey(name="threads", kind="int", refused="one writer thread"))
+    assert parse_extra("C", keys, {"tiers": [1], "knobs": {"a": 1}}) == {"size": None, "tiers": [1], "knobs": {"a": 1}}
+    with pytest.raises(ConfigError, match="^invalid C config: threads is not supported: one writer thread$"):
+        parse_extra("C", keys, {"size": 0, "threads": 4})
+    with pytest.raises(ConfigError, match="known keys: knobs, size, tiers$"):
+        parse_extra("C", keys, {"thread": 4})
+    with pytest.raises(ConfigError, match="knobs must be a JSON object, got"):
+        parse_extra("C", keys, {"knobs": [1]})

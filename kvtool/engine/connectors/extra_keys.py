@@ -3,7 +3,9 @@
 A connector lists its keys once (`ExtraKey`); `parse_extra` turns the user's dict into values
 or refuses it with one line: an unknown key names itself, the known keys and the closest one
 ("did you mean root_dir?"); a value of the wrong type or outside its range names the key and
-the range. Sizes take an integer or a string with vLLM's suffixes (sizes.py).
+the range. Sizes take an integer or a string with vLLM's suffixes (sizes.py). A key declared
+with `refused` is one kvtool knows (a vLLM key) but cannot honour: giving it at all is refused
+with that reason, before any value is checked, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import msgspec
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.sizes import format_bytes, parse_size
 
-KeyKind = Literal["int", "float", "str", "bool", "size", "choice"]
+KeyKind = Literal["int", "float", "str", "bool", "size", "choice", "list", "object"]
 
 
 class ExtraKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,12 +38,19 @@ class ExtraKey(msgspec.Struct, frozen=True, kw_only=True):
     min_len: int = 1
     max_len: int = 4096
     choices: tuple[str, ...] = ()  # choice
+    # list, object: a JSON array or object, whose items the connector checks itself.
     doc: str = ""
+    # Why kvtool cannot honour this key: set, the key is refused whenever it is given.
+    refused: str = ""
 
     def range_text(self) -> str:
         """The accepted values, in words, for messages and docs."""
+        if self.refused:
+            return f"refused ({self.refused})"
         if self.kind == "bool":
             return "true or false"
+        if self.kind in ("list", "object"):
+            return "a JSON array" if self.kind == "list" else "a JSON object"
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.kind == "str":
@@ -61,21 +70,28 @@ def parse_extra(connector: str, keys: Sequence[ExtraKey], extra: Mapping[str, ob
     """The values of `extra` by canonical key name, defaults filled in; refuses anything else.
 
     Raises ConfigError (one line, prefixed with `invalid {connector} config:`) for an unknown
-    key (with a suggestion), a key given twice under two spellings, a value of the wrong type
-    or outside its declared range.
+    key (with a suggestion), a refused key (with the reason), a key given twice under two
+    spellings, a value of the wrong type or outside its declared range. Refused keys have no
+    entry in the result.
     """
     by_name = {k.name: k for k in keys}
     spelling = {alias: k.name for k in keys for alias in k.aliases} | {k.name: k.name for k in keys}
     where = f"invalid {connector} config"
-    given: dict[str, object] = {}
-    for raw_key, value in extra.items():
+    # Names first: a key kvtool cannot honour is the thing to fix, whatever its value.
+    for raw_key in extra:
         name = spelling.get(raw_key)
         if name is None:
-            raise ConfigError(f"{where}: {unknown_key_message(raw_key, sorted(by_name), list(spelling))}")
+            known = sorted(k.name for k in keys if not k.refused)
+            raise ConfigError(f"{where}: {unknown_key_message(raw_key, known, list(spelling))}")
+        if by_name[name].refused:
+            raise ConfigError(f"{where}: {raw_key} is not supported: {by_name[name].refused}")
+    given: dict[str, object] = {}
+    for raw_key, value in extra.items():
+        name = spelling[raw_key]
         if name in given:
             raise ConfigError(f"{where}: {name} is given twice (as {raw_key!r} too)")
         given[name] = check_value(by_name[name], value, where)
-    return {k.name: given.get(k.name, k.default) for k in keys}
+    return {k.name: given.get(k.name, k.default) for k in keys if not k.refused}
 
 
 def unknown_key_message(key: str, known: Sequence[str], spellings: Sequence[str] | None = None) -> str:
@@ -96,6 +112,10 @@ def check_value(key: ExtraKey, value: object, where: str) -> object:
         return ConfigError(f"{where}: {key.name} must be {key.range_text()}, got {shown}")
 
     kind = key.kind
+    if kind in ("list", "object"):
+        if not isinstance(value, list if kind == "list" else dict):
+            raise refuse(value)
+        return value
     if kind == "bool":
         if not isinstance(value, bool):
             raise refuse(value)

@@ -62,14 +62,21 @@ class OffloadingConnector(KVConnector):
 
     @staticmethod
     def _plan(ctx: ConnectorContext) -> tuple[OffloadingSettings, int, int]:
-        geometry = ctx.identity.geometry
+        identity = ctx.identity
+        geometry = identity.geometry
+        # cpu_bytes_to_use counts every rank's share, as vLLM's does: a slot costs one offload
+        # block of every rank's KV-head shard.
+        size = identity.tp_size
+        bytes_per_block = (sum(identity_of_rank(identity, size, r).geometry.bytes_per_block for r in range(size))
+                           if size > 1 else geometry.bytes_per_block)
         settings = parse_settings(dict(ctx.config.kv_connector_extra_config), geometry.block_size,
-                                  kv_bytes_per_block=geometry.bytes_per_block)
+                                  kv_bytes_per_block=bytes_per_block)
         blocks_per_slot = settings.offload_block_tokens // geometry.block_size
         cpu_bytes = settings.cpu_bytes_to_use
         if cpu_bytes is None and settings.num_cpu_blocks is None:
             cpu_bytes = DEFAULT_CPU_BYTES
-        return settings, blocks_per_slot, plan_num_slots(geometry, blocks_per_slot, cpu_bytes, settings.num_cpu_blocks)
+        num_slots = plan_num_slots(bytes_per_block * blocks_per_slot, cpu_bytes, settings.num_cpu_blocks)
+        return settings, blocks_per_slot, num_slots
 
     @classmethod
     def hit_unit_tokens(cls, config, block_size: int) -> int:

@@ -7,6 +7,12 @@ plans pins its slot; the pin is released when the worker half reports the job fi
 Keys are vLLM's: the chained block hash of the last engine block of an offload block, followed
 by the KV-cache group index as 4 big-endian bytes. A lookup walks the chain longest-prefix
 first, in the CPU tier, then on disk; a disk hit is promoted into a CPU slot and loaded from it.
+
+Each step, a request offers the chunks it completed to the CPU tier, one batch per request (its
+loaded chunks are not offered again). With store_threshold the batch is counted first and only
+chunks offered often enough are stored (store_filter.py); room is made by the eviction policy
+(eviction.py), never at the expense of the batch itself or of a pinned slot. The policy learns
+from each request's loads and offers when the request finishes, as vLLM's CPU tier does.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import itertools
 from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
 from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
 from kvtool.engine.connectors.offloading.disk_index import DiskIndex
+from kvtool.engine.connectors.offloading.eviction import RequestAccess
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
+from kvtool.engine.connectors.offloading.store_filter import make_offer_counter
 from kvtool.engine.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.messages import KVConnectorOutput
 from kvtool.engine.outputs import CPUTierUsage
@@ -30,11 +38,27 @@ def block_hash_of(key: bytes) -> bytes:
     return key[:-4]
 
 
+class StorageLocalityRecorder(OffloadEventRecorder):
+    """The tier's KV events, its STORAGE ones carrying the fs tier's `locality`, as vLLM labels them."""
+
+    def __init__(self, locality: str) -> None:
+        super().__init__()
+        self.locality = locality
+
+    def take_events(self) -> list:
+        events = super().take_events()
+        for event in events:
+            if event.medium == MEDIUM_STORAGE:
+                event.locality = self.locality
+        return events
+
+
 class OffloadingScheduler(SchedulerHalf):
     def __init__(self, ctx: ConnectorContext, settings, num_slots: int, disk_index: DiskIndex | None) -> None:
         super().__init__(ctx)
         self.settings = settings
-        self.slots = SlotIndex(num_slots)
+        self.slots = SlotIndex(num_slots, settings.eviction_policy)
+        self.offer_counter = make_offer_counter(settings.store_threshold, settings.max_tracker_size)
         self.disk = disk_index
         self.block_size = ctx.identity.geometry.block_size
         self.obt = settings.offload_block_tokens or self.block_size
@@ -42,11 +66,17 @@ class OffloadingScheduler(SchedulerHalf):
         self.group_suffix = settings.group_idx.to_bytes(4, "big")
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
+        # Per request: the offload blocks it loaded (never offered again), and the CPU-tier keys
+        # it used, which the eviction policy learns from when it finishes.
+        self.hit_chunks: dict[str, int] = {}
+        self.accesses: dict[str, RequestAccess] = {}
         self.pending_loads: list[LoadJob] = []
         self.inflight_loads: list[LoadJob] = []
         self.inflight_stores: list[StoreJob] = []
         # job id -> the slot whose pin the job holds (released when the worker reports it finished).
         self.job_slots: dict[int, int | None] = {}
+        # job id -> the key whose slot the job fills (a store's copy, a promotion from disk).
+        self.filling_jobs: dict[int, bytes] = {}
         self._job_ids = itertools.count()
         # Disk writes in flight (job id -> block hash, and a count per hash): not planned twice.
         self.writing: dict[int, bytes] = {}
@@ -57,11 +87,21 @@ class OffloadingScheduler(SchedulerHalf):
         self.events: OffloadEventRecorder | None = None
         self.job_events: dict[int, tuple] = {}
         self.disk_events: dict[bytes, tuple] = {}
+        # The disk tier's STORAGE events are off for a secondary_tiers fs entry without
+        # enable_kv_events, as vLLM's fs tier publishes none then.
+        self.publish_disk_events = settings.disk_events
 
     def kv_event_recorder(self) -> OffloadEventRecorder:
         if self.events is None:
-            self.events = OffloadEventRecorder()
+            locality = self.settings.disk_locality
+            self.events = StorageLocalityRecorder(locality) if locality else OffloadEventRecorder()
         return self.events
+
+    def _access(self, request_id: str) -> RequestAccess:
+        access = self.accesses.get(request_id)
+        if access is None:
+            access = self.accesses[request_id] = RequestAccess()
+        return access
 
     def _event_args(self, request, j: int) -> tuple:
         """(key, block hashes, parent hash, tokens) of offload block j, as its BlockStored carries them."""
@@ -100,31 +140,47 @@ class OffloadingScheduler(SchedulerHalf):
         return job_id
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        self.requests[request.request_id] = request
+        rid = request.request_id
+        self.requests[rid] = request
         if num_external_tokens <= 0:
             return
         start = request.num_computed_tokens
         end = start + num_external_tokens
         k = self.blocks_per_offload
-        for j in range(start // self.obt, -(-end // self.obt)):
-            lo = max(j * k, start // self.block_size)
-            hi = min((j + 1) * k, -(-end // self.block_size))
-            key = self._key(request, j)
-            slot = self.slots.lookup(key)
+        chunks = range(start // self.obt, -(-end // self.obt))
+        keys = {j: self._key(request, j) for j in chunks}
+        access = self._access(rid)
+        slots: dict[int, int | None] = {}
+        for j, key in keys.items():
+            slot = slots[j] = self.slots.lookup(key)
             if slot is not None:
                 self.slots.pin(slot)
-                self.slots.touch(key)
-                from_disk = False
-            else:
-                slot = self.slots.allocate(key)  # promotion target; None when every slot is busy
-                from_disk = True
+                access.saw(key, j, reused=self.slots.is_ready(key))
+        self.slots.touch([keys[j] for j in chunks if slots[j] is not None])
+        slots_before_promotion = dict(slots)
+        # Disk hits are promoted into CPU slots (None when every slot is busy: through staging).
+        promoted = [j for j in chunks if slots[j] is None]
+        if promoted:
+            targets = self.slots.allocate_many([keys[j] for j in promoted], protected=set(keys.values()))
+            for j, slot in zip(promoted, targets):
+                slots[j] = slot
+                if slot is not None:
+                    access.saw(keys[j], j, inserted=True)
+        for j in chunks:
+            lo = max(j * k, start // self.block_size)
+            hi = min((j + 1) * k, -(-end // self.block_size))
+            key, slot = keys[j], slots[j]
+            from_disk = slots_before_promotion[j] is None
             job_id = self._job(slot)
-            if self.events is not None and from_disk and slot is not None:
-                self.job_events[job_id] = self._event_args(request, j)  # a promotion into the CPU tier
+            if from_disk and slot is not None:
+                self.filling_jobs[job_id] = key
+                if self.events is not None:
+                    self.job_events[job_id] = self._event_args(request, j)  # a promotion into the CPU tier
             self.pending_loads.append(
-                LoadJob(job_id=job_id, request_id=request.request_id, key=key, index=j,
+                LoadJob(job_id=job_id, request_id=rid, key=key, index=j,
                         block_ids=list(block_ids[lo:hi]), first=lo - j * k, slot=slot, from_disk=from_disk)
             )
+        self.hit_chunks[rid] = max(self.hit_chunks.get(rid, 0), chunks.stop)
 
     def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
         stores: list[StoreJob] = []
@@ -140,44 +196,65 @@ class OffloadingScheduler(SchedulerHalf):
         return meta
 
     def _plan_stores(self, req, s) -> list[StoreJob]:
+        rid = req.request_id
         done = s.start + s.num_tokens
         if self.settings.offload_prompt_only:
             done = min(done, req.num_prompt_tokens)
         full = min(done // self.obt, len(req.block_hashes) // self.blocks_per_offload)
-        j = self.next_store.get(req.request_id, 0)
-        k = self.blocks_per_offload
-        jobs = []
+        first = self.next_store.get(rid, 0)
+        self.next_store[rid] = max(first, full)
+        if first >= full:
+            return []
+        hit_end = self.hit_chunks.get(rid, 0)
+        offer = {j: self._key(req, j) for j in range(first, full)}
+        if self.offer_counter is not None:
+            self.offer_counter.record_offer([key for j, key in offer.items() if j >= hit_end])
+        access = self._access(rid)
         has_disk = self.disk is not None
-        while j < full:
-            key = self._key(req, j)
+        jobs: list[tuple[int, StoreJob]] = []
+        held: list[bytes] = []
+        to_copy: list[int] = []
+        for j, key in offer.items():
             repair = key in self.refused
             slot = None if repair else self.slots.lookup(key)
             bh = block_hash_of(key)
             on_disk = has_disk and not repair and (bh in self.disk or bh in self.num_writing)
-            blocks = list(req.block_ids[j * k : (j + 1) * k])
             if slot is not None:
-                self.slots.touch(key)
+                held.append(key)
+                if j >= hit_end:
+                    access.saw(key, j, reused=self.slots.is_ready(key))
                 if has_disk and not on_disk:
                     self.slots.pin(slot)
-                    jobs.append(self._store(req, j, blocks, slot, copy=False))
-            elif not on_disk:
-                slot = self.slots.allocate(key)
-                if slot is not None:
-                    self.refused.discard(key)
-                    jobs.append(self._store(req, j, blocks, slot, copy=True))
-            j += 1
-        self.next_store[req.request_id] = j
-        return jobs
+                    jobs.append((j, self._store(req, j, slot, copy=False)))
+            elif not on_disk and (self.offer_counter is None or self.offer_counter.admits(key)):
+                to_copy.append(j)
+        self.slots.touch(held)
+        if to_copy:
+            # Room for the batch never comes from the batch itself.
+            targets = self.slots.allocate_many([offer[j] for j in to_copy], protected=set(offer.values()))
+            for j, slot in zip(to_copy, targets):
+                if slot is None:
+                    continue
+                key = offer[j]
+                self.refused.discard(key)
+                access.saw(key, j, inserted=True)
+                job = self._store(req, j, slot, copy=True)
+                self.filling_jobs[job.job_id] = key
+                jobs.append((j, job))
+        jobs.sort(key=lambda x: x[0])
+        return [job for _, job in jobs]
 
-    def _store(self, req, j: int, blocks: list[int], slot: int, copy: bool) -> StoreJob:
+    def _store(self, req, j: int, slot: int, copy: bool) -> StoreJob:
         key = self._key(req, j)
+        k = self.blocks_per_offload
+        blocks = list(req.block_ids[j * k : (j + 1) * k])
         job_id = self._job(slot)
         write = self.disk is not None
         if self.events is not None:
             args = self._event_args(req, j)
             if copy:
                 self.job_events[job_id] = args
-            if write:
+            if write and self.publish_disk_events:
                 self.disk_events[block_hash_of(key)] = args
         if write:
             bh = block_hash_of(key)
@@ -198,7 +275,7 @@ class OffloadingScheduler(SchedulerHalf):
                         self._announce(MEDIUM_STORAGE, self.disk_events.pop(bh))
                 for bh in done.evicted:
                     self.disk.discard(bh)
-                    if self.events is not None:
+                    if self.events is not None and self.publish_disk_events:
                         self.events.removed(MEDIUM_STORAGE, bh + self.group_suffix)
             if self.events is not None:
                 failed_keys = {j.key for j in self.inflight_loads if not output.invalid_block_ids.isdisjoint(j.block_ids)}
@@ -212,6 +289,9 @@ class OffloadingScheduler(SchedulerHalf):
                     left = self.num_writing.pop(bh) - 1
                     if left:
                         self.num_writing[bh] = left
+                key = self.filling_jobs.pop(job_id, None)
+                if key is not None:
+                    self.slots.mark_filled(key)  # a failed load's key is dropped below
                 slot = self.job_slots.pop(job_id, None)
                 if slot is not None:
                     self.slots.unpin(slot)
@@ -234,6 +314,8 @@ class OffloadingScheduler(SchedulerHalf):
             for rid, j in failed.items():
                 if rid in self.next_store:
                     self.next_store[rid] = min(self.next_store[rid], j)
+                if rid in self.hit_chunks:
+                    self.hit_chunks[rid] = min(self.hit_chunks[rid], j)
         self.inflight_loads = []
         self.inflight_stores = []
 
@@ -247,9 +329,34 @@ class OffloadingScheduler(SchedulerHalf):
             self.events.removed(MEDIUM_CPU, key)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self.requests.pop(request.request_id, None)
-        self.next_store.pop(request.request_id, None)
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        self.next_store.pop(rid, None)
+        self.hit_chunks.pop(rid, None)
+        access = self.accesses.pop(rid, None)
+        if access is not None:
+            self.slots.request_finished(access)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """Forget every CPU-tier entry, the offer counts of store_threshold and what the eviction
+        policy learnt; the disk tier (and its index) is kept.
+
+        A slot pinned by a job in flight cannot be dropped: its entry stays, and the answer is
+        False once everything else is gone, for the caller to retry after a step. Each dropped
+        entry is announced as a CPU BlockRemoved when KV events are on (vLLM 0.33 announces
+        none, which leaves a subscriber holding blocks the tier no longer has). Running
+        requests offer their chunks again from the first, as after vLLM's reset.
+        """
+        for key in self.slots.clear():
+            if self.events is not None:
+                self.events.removed(MEDIUM_CPU, key)
+        if self.offer_counter is not None:
+            self.offer_counter.clear()
+        self.next_store = dict.fromkeys(self.next_store, 0)
+        self.hit_chunks.clear()
+        self.accesses.clear()
+        return len(self.slots) == 0
 
     def cpu_tier_usage(self) -> CPUTierUsage:
         # Every pin is a job's (job_slots), so the pinned slots are counted from the few jobs in
