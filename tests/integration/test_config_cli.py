@@ -39,3 +39,16 @@ def test_bad_configs_exit_2_with_one_line(tiny_model_dir, cli_env, flags, needle
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_kv_offloading_size_replaces_a_given_connector_and_says_so(tiny_model_dir, cli_env):
+    out = subprocess.run(kvtool_cmd() + ["generate", "--model", str(tiny_model_dir), "--device", "cpu", "--json",
+                                         "--prompt", "hello", "--max-tokens", "2", "--kv-offloading-size", "0.01",
+                                         "--kv-transfer-config",
+                                         '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_consumer"}'],
+                         env=cli_env, capture_output=True, text=True, timeout=300)
+    # The LMCache connector would need a server; the OffloadingConnector that replaced it does not.
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kv-offloading-backend native replaces kv_connector 'LMCacheConnectorV1'" in lines[0]
+    assert json.loads(out.stdout)["requests"][0]["finish_reason"] == "length"

@@ -97,3 +97,29 @@ def test_refusals_name_the_problem(text, needle):
     msg = str(e.value)
     assert needle in msg
     assert "\n" not in msg
+
+
+def test_kv_offloading_shortcut_flags_as_vllm_applies_them():
+    from kvtool.engine.connectors.config import apply_kv_offloading_flags
+
+    # Without a size the flags change nothing, whatever the backend.
+    given = parse_kv_transfer_config('{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_consumer"}')
+    assert apply_kv_offloading_flags(given, None, "lmcache") == (given, None)
+    assert apply_kv_offloading_flags(None, None, "native") == (None, None)
+    # native: an OffloadingConnector of size * 2**30 bytes (over all ranks), kv_both.
+    cfg, notice = apply_kv_offloading_flags(None, 1.5, "native")
+    assert (cfg.kv_connector, cfg.kv_role, notice) == ("OffloadingConnector", "kv_both", None)
+    assert cfg.kv_connector_extra_config == {"cpu_bytes_to_use": 3 * 2**29}
+    # It replaces a given connector, keeps the other extra keys, and says so.
+    given = parse_kv_transfer_config('{"kv_connector":"OffloadingConnector","kv_role":"kv_producer",'
+                                     '"kv_connector_extra_config":{"cpu_bytes_to_use":1G,"root_dir":"/t"}}')
+    cfg, notice = apply_kv_offloading_flags(given, 8, "native")
+    assert cfg.kv_role == "kv_both" and cfg.kv_connector_extra_config == {"cpu_bytes_to_use": 8 * 2**30, "root_dir": "/t"}
+    assert "replaces kv_connector 'OffloadingConnector'" in notice
+    cfg, notice = apply_kv_offloading_flags(parse_kv_transfer_config('{"kv_connector":"OffloadingConnector",'
+                                                                     '"kv_role":"kv_both"}'), 8, "lmcache")
+    assert (cfg.kv_connector, cfg.kv_role) == ("LMCacheConnectorV1", "kv_both") and "lmcache" in notice
+    for size, backend, needle in ((0.0, "native", "positive number"), (-1.0, "native", "positive number"),
+                                  (float("nan"), "native", "positive number"), (1.0, "disk", "native, lmcache")):
+        with pytest.raises(ConfigError, match=needle):
+            apply_kv_offloading_flags(None, size, backend)
