@@ -180,10 +180,13 @@ def throughput(
             report = run_throughput(params, settings, names, progress=bar)
     report = _name_preset(report, preset)
     _write_json(report, json_out)
-    if json_out == "-":
-        refuse_warm_timed_pass(report)
-        return
-    table = Table(title=f"bench throughput: {report.device} {report.dtype}, {settings.num_seqs} sequences", show_edge=False)
+    if json_out != "-":
+        _throughput_table(report, settings.num_seqs)
+    refuse_warm_timed_pass(report)
+
+
+def _throughput_table(report, num_seqs: int) -> None:
+    table = Table(title=f"bench throughput: {report.device} {report.dtype}, {num_seqs} sequences", show_edge=False)
     for col in ("engine", "prompt tok", "cached prompt tok", "output tok", "time s", "output tok/s", "total tok/s"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     for r in report.results:
@@ -195,7 +198,6 @@ def throughput(
     for r in report.results:
         if r.note:
             render.info(f"{r.engine}: {r.note}")
-    refuse_warm_timed_pass(report)
 
 
 def _pair(flag: str, text: str) -> tuple[int, int]:

@@ -28,12 +28,10 @@ import re
 from typing import Any
 
 from kvtool.engine.errors import ConfigError
+from kvtool.engine.sizes import human_readable_int
 
 # Everything between the leading `--` and the first `.`: where underscores become dashes.
 _FLAG_NAME = re.compile(r"(?<=--)[^.]*")
-_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def rewrite_vllm_argv(args: list[str]) -> tuple[list[str], list[str]]:
@@ -76,10 +74,8 @@ def rewrite_vllm_argv(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _dashed(arg: str) -> str:
-    if "=" in arg:
-        key, value = arg.split("=", 1)
-        return f"{_FLAG_NAME.sub(lambda m: m.group(0).replace('_', '-'), key, count=1)}={value}"
-    return _FLAG_NAME.sub(lambda m: m.group(0).replace("_", "-"), arg, count=1)
+    key, sep, value = arg.partition("=")
+    return _FLAG_NAME.sub(lambda m: m.group(0).replace("_", "-"), key, count=1) + sep + value
 
 
 def _dotted_value(name: str, text: str) -> Any:
@@ -91,21 +87,9 @@ def _dotted_value(name: str, text: str) -> Any:
     except RecursionError:
         raise ConfigError(f"{name}: the JSON value is nested too deeply") from None
     try:
-        return _human_readable_int(text)
+        return human_readable_int(text)
     except (ValueError, OverflowError):
         return text
-
-
-def _human_readable_int(text: str) -> int:
-    """vLLM's `human_readable_int`; ValueError where it raises (a decimal with a binary suffix too)."""
-    text = text.strip()
-    match = _HUMAN_INT.fullmatch(text)
-    if match:
-        number, suffix = match.groups()
-        if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
-        return int(number) * _BINARY[suffix]
-    return int(text)
 
 
 def _merge(original: dict[str, Any], update: dict[str, Any]) -> list[str]:

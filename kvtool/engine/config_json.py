@@ -10,6 +10,8 @@ in `optional_type`) does three things, and `read_config_document` does them in t
    numbers of another kind: `lax_int` and `lax_bool` are pydantic's rules for them.
 
 A document nested too deeply for the parser is refused in one line, like malformed JSON.
+`json_value_excess` bounds a parsed free-form value (kv_connector_extra_config here, a request's
+free-form fields in the server) without recursion.
 """
 
 from __future__ import annotations
@@ -74,6 +76,28 @@ def convert_config(flag: str, doc: dict[str, Any], cls: type[T], *, ints: tuple[
         return msgspec.convert(doc, type=cls)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid {flag}: {e}") from None
+
+
+def json_value_excess(value: Any, max_depth: int, max_values: int) -> str | None:
+    """What makes a parsed JSON value too large ("holds more than N JSON values", or "nests JSON
+    objects and arrays more than N levels deep", the root object or array at level 1), or None.
+
+    A walk with its own stack, never recursion; every object, array, string, number, boolean and
+    null counts one value.
+    """
+    count = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > max_values:
+            return f"holds more than {max_values} JSON values"
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                return f"nests JSON objects and arrays more than {max_depth} levels deep"
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return None
 
 
 def lax_int(value: Any) -> int:

@@ -28,9 +28,10 @@ from kvtool.engine.errors import ConfigError
 MAX_SIZE_BYTES = 1 << 60
 _MAX_TEXT = 24
 _SIZE = re.compile(r"(\d{1,19})(?:\.(\d{1,9}))?([kKmMgGtT]?)")
-# vLLM's pattern for a bare number with a suffix inside JSON, and its split on string literals.
+# vLLM's human_readable_int pattern; its pattern for such a number bare inside JSON, and its split
+# of JSON text on string literals.
+_SUFFIXED = re.compile(r"(\d+)(?:\.(\d+))?([kKmMgGtT])")
 _JSON_NUMBER = re.compile(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b")
-_JSON_NUMBER_PARTS = re.compile(r"(\d+)(?:\.(\d+))?([kKmMgGtT])")
 _JSON_STRING = re.compile(r'("(?:[^"\\]|\\.)*")')
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -80,19 +81,32 @@ def expand_json_human_readable_numbers(text: str) -> str:
 
 
 def _json_number(token: str) -> int:
-    match = _JSON_NUMBER_PARTS.fullmatch(token) if len(token) <= _MAX_TEXT else None
-    if match is None:
+    if len(token) > _MAX_TEXT:
         raise ConfigError(f"number {token[:40]!r} is longer than {_MAX_TEXT} characters")
-    whole, frac, suffix = match.groups()
-    if frac is not None and suffix in _BINARY:
-        raise ConfigError(
-            f"Decimals are not allowed with binary suffixes like {suffix}. "
-            f"Did you mean to use {whole}.{frac}{suffix.lower()} instead?"
-        )
-    value = _scaled(whole, frac, suffix)
+    try:
+        value = human_readable_int(token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if value > MAX_SIZE_BYTES:
         raise ConfigError(f"number {token!r} is more than {format_bytes(MAX_SIZE_BYTES)}")
     return value
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's `human_readable_int`, unbounded: a number with a suffix (decimal ones in floating
+    point), else Python's `int(text)`. Raises ValueError where vLLM raises: text that is neither,
+    and a decimal with a binary suffix (with vLLM's reason)."""
+    text = text.strip()
+    match = _SUFFIXED.fullmatch(text)
+    if match is None:
+        return int(text)
+    whole, frac, suffix = match.groups()
+    if frac is not None and suffix in _BINARY:
+        raise ValueError(
+            f"Decimals are not allowed with binary suffixes like {suffix}. "
+            f"Did you mean to use {whole}.{frac}{suffix.lower()} instead?"
+        )
+    return _scaled(whole, frac, suffix)
 
 
 def format_bytes(n: float) -> str:

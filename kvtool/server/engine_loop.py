@@ -385,12 +385,11 @@ class EngineLoop:
     def _reset_prefix_cache(self, cmd: _ResetPrefixCache) -> None:
         try:
             cmd.done.set_result(self._engine.reset_prefix_cache(cmd.reset_running_requests, cmd.reset_external))
-        except Exception as e:  # noqa: BLE001 - the caller gets it; the loop goes on
+        except Exception as e:  # noqa: BLE001 - the caller gets it; only an engine failure stops the loop
+            cmd.done.set_exception(e)
             if is_engine_failure(e):
-                cmd.done.set_exception(e)
                 raise
             logger.exception("resetting the prefix cache failed")
-            cmd.done.set_exception(e)
 
     def _add(self, cmd: _Add) -> None:
         job = cmd.job

@@ -24,6 +24,8 @@ import json
 import re
 from typing import Any
 
+from kvtool.engine.config_json import json_value_excess
+
 # Deep enough for any real JSON schema, tool list or template argument, far from the recursion
 # limits of the parsers behind it.
 MAX_JSON_DEPTH = 64
@@ -96,19 +98,10 @@ def loads_bounded(text: str, what: str) -> Any:
 
 def refuse_large_value(value: Any, what: str) -> None:
     """Raise JSONTooBig when a parsed free-form value holds more than MAX_FREE_FORM_VALUES JSON
-    values or nests deeper than MAX_JSON_DEPTH (a walk with its own stack, never recursion)."""
-    count = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        count += 1
-        if count > MAX_FREE_FORM_VALUES:
-            raise JSONTooBig(f"{what} holds more than {MAX_FREE_FORM_VALUES} JSON values")
-        if isinstance(item, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise JSONTooBig(f"{what} nests JSON objects and arrays more than {MAX_JSON_DEPTH} levels deep")
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
+    values or nests deeper than MAX_JSON_DEPTH (config_json.json_value_excess)."""
+    excess = json_value_excess(value, MAX_JSON_DEPTH, MAX_FREE_FORM_VALUES)
+    if excess is not None:
+        raise JSONTooBig(f"{what} {excess}")
 
 
 def _key_text(quoted: str) -> str:

@@ -29,13 +29,13 @@ from kvtool.workloads.figures import rate
 from kvtool.workloads.trace_pass import free_device_memory, reset_prefix_cache
 
 Progress = Callable[[str, float], None]
+ENGINES: tuple[str, ...] = ("kvtool", "hf")
 
 
 class WarmTimedPass(KVToolError):
     """The timed pass was served prompt tokens from a cache: its figure would be inflated."""
 
     exit_code = 1
-ENGINES: tuple[str, ...] = ("kvtool", "hf")
 
 
 class ThroughputSettings(msgspec.Struct, kw_only=True):

@@ -84,7 +84,7 @@ def test_lax_fields_and_null_engine_id_as_pydantic_reads_them():
         ("null", "Expected `object`, got `null`"),
         ("  ", "malformed JSON"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_load_failure_policy":"retry"}', "kv_load_failure_policy"),
-        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 9 + "]" * 9 + "}}", "nested more than 8 levels"),
+        ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 9 + "]" * 9 + "}}", "more than 8 levels deep"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"a":' + "[" * 5000 + "]" * 5000 + "}}", "nested too deeply"),
         ('{"kv_connector":"OffloadingConnector","kv_role":"both"}', "unknown kv_role 'both'"),
         ('{"kv_connector":"OffloadingConnector"}', "kv_role is required"),

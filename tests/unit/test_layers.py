@@ -15,6 +15,9 @@ PUBLIC_ENGINE_MODULES = {
     "kvtool.engine.presets",
     "kvtool.engine.default_model",
     "kvtool.engine.identity",
+    # vLLM's number and JSON rules (sizes, bounds), leaves that hold no engine state.
+    "kvtool.engine.sizes",
+    "kvtool.engine.config_json",
     "kvtool.engine.connectors.config",
     "kvtool.engine.connectors.registry",
     "kvtool.engine.connectors.lmcache.keys",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvtool.engine.config_json import convert_config, read_config_document
+from kvtool.engine.config_json import convert_config, json_value_excess, read_config_document
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.sizes import parse_size
 
@@ -130,24 +130,9 @@ def validate_kv_transfer_config(config: KVTransferConfig) -> None:
 def refuse_deep_extra(extra: dict[str, Any]) -> None:
     """Refuse a kv_connector_extra_config nested deeper than MAX_EXTRA_DEPTH or holding more than
     MAX_EXTRA_ITEMS values in all: one line naming the bound."""
-    count = 0
-    stack: list[tuple[object, int]] = [(extra, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        for child in children:
-            count += 1
-            if count > MAX_EXTRA_ITEMS:
-                raise ConfigError(
-                    f"invalid --kv-transfer-config: kv_connector_extra_config holds more than {MAX_EXTRA_ITEMS} values"
-                )
-            if isinstance(child, (dict, list)):
-                if depth + 1 > MAX_EXTRA_DEPTH:
-                    raise ConfigError(
-                        f"invalid --kv-transfer-config: kv_connector_extra_config is nested more than "
-                        f"{MAX_EXTRA_DEPTH} levels deep"
-                    )
-                stack.append((child, depth + 1))
+    excess = json_value_excess(extra, MAX_EXTRA_DEPTH, MAX_EXTRA_ITEMS)
+    if excess is not None:
+        raise ConfigError(f"invalid --kv-transfer-config: kv_connector_extra_config {excess}")
 
 
 KV_OFFLOADING_BACKENDS = ("native", "lmcache")
