@@ -70,7 +70,7 @@ class RankAggregator:
         for out in outputs:
             invalid |= out.invalid_block_ids
             reasons.update(out.invalid_reasons)
-        return KVConnectorOutput(invalid_block_ids=invalid, invalid_reasons=reasons,
+        return KVConnectorOutput(step_id=outputs[0].step_id, invalid_block_ids=invalid, invalid_reasons=reasons,
                                  completions=self.completions([o.completions for o in outputs]))
 
 
@@ -95,6 +95,12 @@ class RankedHalves:
             self.workers.append(worker)
             self.pages.append(pages)
         self.none_hash = none_hash
+        self._steps = 0
+
+    def next_step_id(self) -> int:
+        """A new step's id, as the engine's scheduler numbers its steps."""
+        self._steps += 1
+        return self._steps - 1
 
     def request(self, rid: str, prompt: list[int]) -> Request:
         req = Request(rid, prompt, SamplingParams(max_tokens=1), max_tokens=1, eos_token_ids=frozenset())
@@ -123,7 +129,8 @@ class RankedHalves:
         n = len(req.prompt_token_ids)
         req.block_ids = list(range(first_block, first_block + -(-n // bs)))
         self.scheduler.update_state_after_alloc(req, req.block_ids, matched)
-        so = SchedulerOutput(scheduled=[ScheduledRequest(
+        step_id = self.next_step_id()
+        so = SchedulerOutput(step_id=step_id, scheduled=[ScheduledRequest(
             request_id=req.request_id, token_ids=req.prompt_token_ids[matched:], start=matched,
             new_block_ids=req.block_ids, sample=True)])
         meta = pickle.dumps(self.scheduler.build_connector_meta(so))
@@ -134,7 +141,7 @@ class RankedHalves:
             worker.wait_for_save()
             worker.flush()
             errors = worker.get_block_ids_with_load_errors()
-            outputs.append(KVConnectorOutput(invalid_block_ids=set(errors), invalid_reasons=dict(errors),
+            outputs.append(KVConnectorOutput(step_id=step_id, invalid_block_ids=set(errors), invalid_reasons=dict(errors),
                                              completions=worker.take_completions()))
             worker.clear_connector_metadata()
         self.scheduler.update_connector_output(self.aggregator.aggregate(outputs))

@@ -81,6 +81,9 @@ class TransferStats(msgspec.Struct, kw_only=True):
 class KVConnectorOutput(msgspec.Struct, kw_only=True):
     """What the worker half reports after a step."""
 
+    # The step this answers (its SchedulerOutput's step_id); None for a report between steps
+    # (completions of background stores taken by a flush).
+    step_id: int | None = None
     finished_sending: set[str] = set()
     finished_recving: set[str] = set()
     # Blocks whose external KV failed to load (missing, torn, refused); the scheduler applies the policy.
@@ -96,6 +99,10 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     """What runs in one step."""
 
+    # Numbers the engine's steps from 0, in the order they are scheduled. Under async scheduling
+    # step N + 1 is scheduled before step N's output is applied: a connector's scheduler half
+    # matches each KVConnectorOutput to the jobs of the step it answers by this id.
+    step_id: int = 0
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []
     finished_req_ids: list[str] = []

@@ -507,6 +507,7 @@ class ModelRunner:
         stats = c.take_stats()
         c.clear_connector_metadata()
         return KVConnectorOutput(
+            step_id=so.step_id,
             finished_sending=sending or set(),
             finished_recving=recving or set(),
             invalid_block_ids=set(errors),

@@ -73,6 +73,8 @@ class Scheduler:
         self.failed_outputs: list[RequestOutput] = []
         # Waiting requests skipped in the last schedule() because a connector lookup was still pending.
         self.num_lookups_pending = 0
+        # The next step's id (SchedulerOutput.step_id).
+        self.num_steps_scheduled = 0
         # One entry per step scheduled and not yet updated (two at most under async scheduling).
         self.steps_in_flight: deque[dict[str, int]] = deque()
         # Blocks of finished requests that the connector still reads (until finished_sending).
@@ -174,11 +176,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
+            step_id=self.num_steps_scheduled,
             new_requests=new_requests,
             scheduled=scheduled,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_between_steps + preempted,
         )
+        self.num_steps_scheduled += 1
         self.preempted_between_steps = []
         # Which incarnation of each request this step computes for: a preemption in between
         # makes its result stale.

@@ -69,7 +69,11 @@ class KVOutputAggregator:
             for block in sorted(out.invalid_block_ids):
                 invalid.setdefault(block, out.invalid_reasons.get(block, "the load failed"))
         present = [o for o in outputs if o is not None]
+        steps = {o.step_id for o in present}
+        if len(steps) != 1:
+            raise RuntimeError(f"the ranks answered different steps: {sorted(steps, key=str)}")
         return KVConnectorOutput(
+            step_id=steps.pop(),
             finished_sending=set(sending),
             finished_recving=set(recving),
             invalid_block_ids=set(invalid),

@@ -45,7 +45,6 @@ class DictScheduler(SchedulerHalf):
         self.requests = {}
         self.stored_blocks: dict[str, int] = {}
         self.pending_loads: list[BlockJob] = []
-        self.inflight_loads: list[BlockJob] = []
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         CALLS.append("get_num_new_matched_tokens")
@@ -84,20 +83,20 @@ class DictScheduler(SchedulerHalf):
                     stores.append(BlockJob(req.request_id, req.block_ids[i], req.block_hashes[i], self.bs))
                 self.stored_blocks[req.request_id] = max(done, full)
         meta = DictMetadata(loads=self.pending_loads, stores=stores)
-        self.inflight_loads = self.pending_loads
+        self.steps_in_flight.add(scheduler_output.step_id, meta)
         self.pending_loads = []
         return meta
 
     def update_connector_output(self, output):
         # A request whose load failed stores nothing from this step; after a recompute it
         # stores again from its first bad block.
-        for job in self.inflight_loads:
+        step = self.steps_in_flight.answered(output)
+        for job in step.loads if step is not None else []:
             if job.block_id in output.invalid_block_ids:
                 req = self.requests.get(job.request_id)
                 if req is not None:
                     bad = req.block_hashes.index(job.block_hash)
                     self.stored_blocks[job.request_id] = min(self.stored_blocks.get(job.request_id, 0), bad)
-        self.inflight_loads = []
 
     def request_finished(self, request, block_ids):
         CALLS.append("request_finished")

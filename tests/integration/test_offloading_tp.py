@@ -112,7 +112,7 @@ def test_a_block_counts_only_when_every_rank_holds_it(tiny_model_dir, tmp_path):
         req.block_ids = list(range(20, 25))
         from kvtool.engine.messages import ScheduledRequest, SchedulerOutput
 
-        meta = ranks.scheduler.build_connector_meta(SchedulerOutput(scheduled=[ScheduledRequest(
+        meta = ranks.scheduler.build_connector_meta(SchedulerOutput(step_id=ranks.next_step_id(), scheduled=[ScheduledRequest(
             request_id="b", token_ids=PROMPT, start=0, new_block_ids=req.block_ids, sample=True)]))
         parts = []
         for w in ranks.workers:

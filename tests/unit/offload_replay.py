@@ -78,10 +78,10 @@ def replay_kvtool(half, requests: list[list[str]]) -> list[dict]:
         half.update_state_after_alloc(req, req.block_ids, hit_tokens)
         scheduled = ScheduledRequest(request_id=req.request_id, token_ids=[0] * (req.num_tokens - hit_tokens),
                                      start=hit_tokens, new_block_ids=[], sample=True)
-        meta = half.build_connector_meta(SchedulerOutput(scheduled=[scheduled]))
+        meta = half.build_connector_meta(SchedulerOutput(step_id=i, scheduled=[scheduled]))
         evicted = half.slots.take_evicted()
         done = [job.job_id for job in meta.loads] + [job.job_id for job in meta.stores]
-        half.update_connector_output(KVConnectorOutput(completions=OffloadingCompletions(finished_job_ids=done)))
+        half.update_connector_output(KVConnectorOutput(step_id=i, completions=OffloadingCompletions(finished_job_ids=done)))
         half.request_finished(req, [])
         out.append({"hits": hit_tokens // BLOCK_SIZE,
                     "stored": [names[job.key] for job in meta.stores if job.copy_from_pages],

@@ -1,5 +1,7 @@
 """Merging the ranks' connector outputs: a job is done once every rank has reported it, across steps."""
 
+import pytest
+
 from kvtool.engine.connectors.offloading.jobs import OffloadingCompletions
 from kvtool.engine.messages import KVConnectorOutput, TransferStats
 from kvtool.engine.tp_output import KVOutputAggregator
@@ -54,3 +56,10 @@ def test_load_errors_are_the_union_and_stats_count_tokens_once():
 
 def test_no_rank_reporting_is_no_output():
     assert KVOutputAggregator(2).aggregate([None, None]) is None
+
+
+def test_the_merged_output_answers_the_ranks_step_and_ranks_of_different_steps_are_an_error():
+    agg = KVOutputAggregator(2)
+    assert agg.aggregate([KVConnectorOutput(step_id=7), KVConnectorOutput(step_id=7)]).step_id == 7
+    with pytest.raises(RuntimeError, match="different steps"):
+        agg.aggregate([KVConnectorOutput(step_id=7), KVConnectorOutput(step_id=8)])

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
+from kvtool.engine.connectors.steps_in_flight import StepsInFlight
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.messages import (
@@ -56,6 +57,7 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "SchedulerHalf",
+    "StepsInFlight",
     "TransferStats",
     "WorkerHalf",
     "identity_of_rank",
@@ -121,6 +123,10 @@ class SchedulerHalf(abc.ABC):
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
+        # The metadata of each step not answered yet: a half that must know which jobs an
+        # output's failures belong to records each step's metadata here in build_connector_meta
+        # and takes it back with `answered(output)` in update_connector_output.
+        self.steps_in_flight: StepsInFlight = StepsInFlight()
 
     def check_request(self, request: Request) -> None:
         """Called by `add_request` before the request is queued: raise InputError for a request
@@ -150,11 +156,14 @@ class SchedulerHalf(abc.ABC):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Called once at the end of every schedule(); must not modify scheduler_output.
 
-        Resets the per-step state of this half.
+        The metadata is for step `scheduler_output.step_id`; under async scheduling the next step
+        is built before this one's output is back, so per-step state is kept by step id
+        (`self.steps_in_flight`), never in one "current step" field.
         """
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Called every step with the worker half's output."""
+        """Called every step with the worker half's output for step `output.step_id` (None: a
+        report of background work between steps, e.g. after a flush)."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Called once when a request finishes, before its blocks are freed.

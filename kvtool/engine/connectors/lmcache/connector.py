@@ -28,6 +28,7 @@ import torch
 from kvtool.engine.connectors.base import (
     ConnectorContext,
     KVConnector,
+    KVConnectorCompletions,
     KVConnectorMetadata,
     KVConnectorOutput,
     SchedulerHalf,
@@ -79,6 +80,13 @@ class LMCacheMetadata(KVConnectorMetadata):
     stores: list[ChunkJob] = []
 
 
+class LMCacheCompletions(KVConnectorCompletions):
+    """Chunks whose PUT the store confirmed since the last report, by rank 0's key (under tensor
+    parallelism a key counts once every rank stored its shard)."""
+
+    stored: list[str] = []
+
+
 def _request_tags(request) -> dict[str, str]:
     tags = tags_from_request_configs(request.kv_transfer_params)
     if request.cache_salt:
@@ -124,6 +132,9 @@ class LMCacheScheduler(SchedulerHalf):
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
         self.pending_loads: list[ChunkJob] = []
+        # Chunks whose bytes were refused on load in this process: a miss until this process has
+        # stored them again (a store the worker reports as landed), so no request loads them twice.
+        self.refused: set[str] = set()
         # Each rank stores its own shard under its own worker_id: a chunk is a hit only when all are there.
         self.num_ranks = key_settings.world_size
 
@@ -153,6 +164,8 @@ class LMCacheScheduler(SchedulerHalf):
         # Whole chunks, the last one too: on a full hit the scheduler leaves only the last token
         # to compute, and the load still writes that token's chunk whole.
         last = min(request.num_tokens // self.cs, len(keys))
+        if self.refused:
+            last = next((i for i in range(first, last) if keys[i].key in self.refused), last)
         if last <= first:
             self.lookups[rid] = (num_computed_tokens, 0)
             return 0, False
@@ -179,8 +192,8 @@ class LMCacheScheduler(SchedulerHalf):
             logger.warning("LMCache lookup failed, computing instead: %s", e)
             present = []
         n = 0
-        for hit in present:
-            if not hit:
+        for hit, key in zip(present, keys[lookup.first :]):
+            if not hit or key.key in self.refused:  # refused after the lookup was asked
                 break
             n += 1
         hit_end = min((lookup.first + n) * self.cs, request.num_tokens - 1)
@@ -225,7 +238,7 @@ class LMCacheScheduler(SchedulerHalf):
                 if req is not None:
                     stores.extend(self._plan_stores(req, s))
         meta = LMCacheMetadata(loads=self.pending_loads, stores=stores)
-        self.inflight_loads = self.pending_loads
+        self.steps_in_flight.add(scheduler_output.step_id, meta)
         self.pending_loads = []
         return meta
 
@@ -246,12 +259,19 @@ class LMCacheScheduler(SchedulerHalf):
         return jobs
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for job in getattr(self, "inflight_loads", []):
+        done = output.completions
+        if isinstance(done, LMCacheCompletions):
+            self.refused.difference_update(done.stored)
+        step = self.steps_in_flight.answered(output)
+        if step is None or not output.invalid_block_ids:
+            return
+        for job in step.loads:
             if not output.invalid_block_ids.isdisjoint(job.block_ids):
-                # Store again from the first bad chunk after a recompute; forget the stale lookup.
+                # Refuse the chunk, and store it again from the first bad chunk after a recompute.
+                self.refused.add(job.key)
                 self.next_store[job.request_id] = min(self.next_store.get(job.request_id, 0), job.start // self.cs)
-                self.lookups.pop(job.request_id, None)
-        self.inflight_loads = []
+        # Every answer given so far may count a refused chunk: ask again.
+        self.lookups.clear()
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -281,6 +301,7 @@ class LMCacheWorker(WorkerHalf):
         self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
         self.chunk_tokens = settings.chunk_tokens
         self.pending_puts: list[Future] = []
+        self._stored: list[str] = []  # rank 0's keys of the chunks stored since take_completions
         self.verify_payload = settings.verify_payload
         self._secret = payload_secret() if settings.verify_payload else None
 
@@ -418,10 +439,16 @@ class LMCacheWorker(WorkerHalf):
         with self._stats_lock:
             for (job, buf), stored in zip(items, ok):
                 if stored:
+                    self._stored.append(key_for_worker(job.key, 0) if self.worker_id else job.key)
                     self.stats.bytes_stored += buf.numel() * buf.element_size()
                     n = job.end - job.start
                     self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
             self.stats.store_s += time.perf_counter() - t0
+
+    def take_completions(self) -> LMCacheCompletions | None:
+        with self._stats_lock:
+            stored, self._stored = self._stored, []
+        return LMCacheCompletions(stored=stored) if stored else None
 
     def flush(self) -> None:
         """Wait until every queued PUT was confirmed (or failed)."""

@@ -71,8 +71,6 @@ class OffloadingScheduler(SchedulerHalf):
         self.hit_chunks: dict[str, int] = {}
         self.accesses: dict[str, RequestAccess] = {}
         self.pending_loads: list[LoadJob] = []
-        self.inflight_loads: list[LoadJob] = []
-        self.inflight_stores: list[StoreJob] = []
         # job id -> the slot whose pin the job holds (released when the worker reports it finished).
         self.job_slots: dict[int, int | None] = {}
         # job id -> the key whose slot the job fills (a store's copy, a promotion from disk).
@@ -190,8 +188,7 @@ class OffloadingScheduler(SchedulerHalf):
                 if req is not None:
                     stores.extend(self._plan_stores(req, s))
         meta = OffloadingMetadata(loads=self.pending_loads, stores=stores)
-        self.inflight_loads = self.pending_loads
-        self.inflight_stores = stores
+        self.steps_in_flight.add(scheduler_output.step_id, meta)
         self.pending_loads = []
         return meta
 
@@ -266,6 +263,9 @@ class OffloadingScheduler(SchedulerHalf):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         # Under tensor parallelism these are the runtime's aggregate: a job id or a written block
         # arrives once every rank reported it (each rank writes its own shard).
+        step = self.steps_in_flight.answered(output)
+        failed_loads = [] if step is None else [
+            j for j in step.loads if not output.invalid_block_ids.isdisjoint(j.block_ids)]
         done = output.completions
         if isinstance(done, OffloadingCompletions):
             if self.disk is not None:
@@ -278,7 +278,7 @@ class OffloadingScheduler(SchedulerHalf):
                     if self.events is not None and self.publish_disk_events:
                         self.events.removed(MEDIUM_STORAGE, bh + self.group_suffix)
             if self.events is not None:
-                failed_keys = {j.key for j in self.inflight_loads if not output.invalid_block_ids.isdisjoint(j.block_ids)}
+                failed_keys = {j.key for j in failed_loads}
                 for job_id in done.finished_job_ids:
                     args = self.job_events.pop(job_id, None)
                     if args is not None and args[0] not in failed_keys and self.slots.lookup(args[0]) is not None:
@@ -299,16 +299,15 @@ class OffloadingScheduler(SchedulerHalf):
         if self.events is not None:
             for key in evicted:
                 self.events.removed(MEDIUM_CPU, key)
-        if output.invalid_block_ids:
+        if failed_loads:
             failed: dict[str, int] = {}
-            for job in self.inflight_loads:
-                if not output.invalid_block_ids.isdisjoint(job.block_ids):
-                    self._drop(job.key)
-                    self.refused.add(job.key)
-                    failed[job.request_id] = min(failed.get(job.request_id, job.index), job.index)
-            # The worker skipped these requests' stores (computed over KV that failed to load):
-            # forget their slots, and store again from the first bad block after a recompute.
-            for job in self.inflight_stores:
+            for job in failed_loads:
+                self._drop(job.key)
+                self.refused.add(job.key)
+                failed[job.request_id] = min(failed.get(job.request_id, job.index), job.index)
+            # The worker skipped these requests' stores of the step (computed over KV that failed
+            # to load): forget their slots, and store again from the first bad block after a recompute.
+            for job in step.stores:
                 if job.request_id in failed and job.copy_from_pages:
                     self._drop(job.key)
             for rid, j in failed.items():
@@ -316,8 +315,6 @@ class OffloadingScheduler(SchedulerHalf):
                     self.next_store[rid] = min(self.next_store[rid], j)
                 if rid in self.hit_chunks:
                     self.hit_chunks[rid] = min(self.hit_chunks[rid], j)
-        self.inflight_loads = []
-        self.inflight_stores = []
 
     def _announce(self, medium: str, args: tuple) -> None:
         key, hashes, parent, tokens, extra_keys = args
