@@ -1,8 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, all captured at start-up.
 
 A decode step is a few hundred small kernels; replaying them as one graph removes the host
-launch cost (about 20 us per eager op on the measured VM). Every graph reads one static int32
-buffer, one row per sequence:
+launch cost of every eager op. Every graph reads one static int32 buffer, one row per sequence:
 
     static[row] = [token id, position, flat slot, context length, block table ...]
 
@@ -17,9 +16,10 @@ The runner captures every bucket up to the engine's `max_num_seqs` when it start
 so no request pays for a capture or for compiling the kernels of a new batch size; the buckets
 stop at `max_num_seqs`, since no decode step can hold more sequences.
 
-In batch-invariant mode a graph is captured with the row-invariant GEMMs on and the fixed-tile
-decode kernel, whose tile slots are sized for the bucket (`tile_slots`); a batch that needs
-more (sequences sharing prefix blocks) runs eagerly.
+In batch-invariant mode a graph is captured with the row-invariant GEMMs (its metadata's
+`row_invariant`, and the logits') and the fixed-tile decode kernel, whose tile slots are sized
+for the bucket (`tile_slots`); a batch that needs more (sequences sharing prefix blocks) runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from torch import nn
 from kvtool.engine.attention import AttentionMetadata, DeviceBatch, attention_context
 from kvtool.engine.attention.context import longest_first, tile_bases, tile_capacity
 from kvtool.engine.kv_pages import KVPages
-from kvtool.engine.row_invariant_gemm import row_invariant_gemms
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 NUM_FIXED = 4  # token id, position, slot, context length
@@ -147,14 +146,15 @@ class DecodeGraphs:
                 tile_base=s[:, -2] if self.batch_invariant else None,
                 num_tiles=self.tile_slots(bucket),
             ),
+            row_invariant=self.batch_invariant,
         )
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            with attention_context(meta), row_invariant_gemms(self.batch_invariant):
+            with attention_context(meta):
                 hidden = self.model(s[:, 0], s[:, 1])
                 # The argmax of the half-precision logits is that of their float32 copy (the
                 # conversion is exact), so a greedy step never makes the [B, vocab] float32 copy.
-                logits = self.model.compute_logits(hidden, as_float=False)
+                logits = self.model.compute_logits(hidden, as_float=False, row_invariant=self.batch_invariant)
             return logits, logits.argmax(dim=-1)
 
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.

@@ -1,7 +1,8 @@
 """Fused kernels for CUDA models, applied from outside the model (gpt-fast style).
 
-The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runner calls
-`apply_fused_ops(model)`, which, module by module:
+The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights and the CUDA attention
+backend, `models.fast_paths.apply_fast_paths` calls `apply_fused_ops(model)`, which sets each
+module's `fast_forward` field (and the LM head's `logits_product`) to the forwards below:
 
 * RMSNorm: one Triton kernel instead of seven eager ops, and the residual add before each norm
   in the same kernel (the decoder loop is replaced by one that carries the residual, and that
@@ -11,8 +12,9 @@ The models stay plain PyTorch. On a CUDA device with bf16/fp16 weights the runne
   per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels), and k, v
   into the KV pages at the step's slots as well (the separate store kernel is skipped);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
-* every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or inside
-  prefill steps and batch-invariant decode a kernel whose rows do not depend on the row count).
+* every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or where the
+  step asks for it a kernel whose rows do not depend on the row count: the projections read
+  that from the step's `AttentionMetadata.row_invariant`, the LM head from `compute_logits`).
 
 On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one all-reduce
 (`RowParallelLinear.reduce` after the bias-free GEMM); the embedding is the module's own.
@@ -26,7 +28,7 @@ sum, SiLU rounded before the product.
 
 from __future__ import annotations
 
-import types
+from typing import NamedTuple
 
 import torch
 import triton
@@ -242,20 +244,36 @@ def _fused_rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps)
 
 
+class LogitsProduct:
+    """The LM head's product through `row_invariant_gemm.linear` (a model's `logits_product`)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, hidden: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+        return linear(hidden, self.weight, row_invariant=row_invariant)
+
+
+def _step_row_invariant() -> bool:
+    """Whether the running step asks for row-invariant products (set by whoever binds its metadata)."""
+    return current_metadata().row_invariant
+
+
 def _project_out(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """o_proj / down_proj of x; a row-parallel one sums its partial product over the ranks."""
     if isinstance(proj, RowParallelLinear):
-        return proj.reduce(linear(x, proj.weight, None))
-    return linear(x, proj.weight, proj.bias)
+        return proj.reduce(linear(x, proj.weight, None, row_invariant=_step_row_invariant()))
+    return linear(x, proj.weight, proj.bias, row_invariant=_step_row_invariant())
 
 
 def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    return _project_out(self.down_proj, silu_mul(linear(x, self.gate_up_weight)))
+    gate_up = linear(x, self.gate_up_weight, row_invariant=_step_row_invariant())
+    return _project_out(self.down_proj, silu_mul(gate_up))
 
 
 def qkv_projection(attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
     """q, k and v of x [T, hidden] in one GEMM: [T, (Hq + 2 Hkv) * D]."""
-    return linear(x, attn.qkv_weight, attn.qkv_bias)
+    return linear(x, attn.qkv_weight, attn.qkv_bias, row_invariant=_step_row_invariant())
 
 
 def rotate_qkv(
@@ -353,38 +371,46 @@ def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, position
     return x
 
 
-def computes_sampled_rows(model: nn.Module) -> bool:
-    """Whether `model`'s forward takes the sample rows of a CUDA step (`_fused_decoder_forward`)."""
-    decoder = getattr(model, "model", None)
-    return getattr(decoder, "fused_decoder", False) and hasattr(decoder.layers[-1].self_attn, "qkv_weight")
-
-
 def can_fuse(model: nn.Module) -> bool:
     """Whether the model's parameters are all on CUDA in bf16/fp16 (the kernels' only case)."""
     params = list(model.parameters())
     return bool(params) and all(p.is_cuda and p.dtype in (torch.bfloat16, torch.float16) for p in params)
 
 
-def apply_fused_ops(model: nn.Module) -> int:
-    """Route the model's norms, attention blocks and MLPs to the fused kernels. Returns how many modules."""
-    n = 0
+class FusedModules(NamedTuple):
+    """What `apply_fused_ops` set, for `FastPaths`."""
+
+    attention: int  # attention blocks on a q/k/v GEMM and the norm-rope-store kernel
+    num_attention: int  # attention blocks in all (one of an odd head_dim keeps its own forward)
+    mlps: int  # gate/up GEMM + SiLU kernel
+    decoder: bool  # the decoder loop with the residual adds in the norms (`_fused_decoder_forward`)
+
+
+def apply_fused_ops(model: CausalLM) -> FusedModules:
+    """Set the model's norms, attention blocks, MLPs, decoder loop and LM head to the fused
+    kernels (their `fast_forward` / `logits_product` fields). Returns what it set."""
+    attention = num_attention = mlps = 0
+    decoder = False
     for module in model.modules():
         if isinstance(module, CausalLM):
-            module.logits_linear = linear
+            weight = module.model.embed_tokens.weight if module.lm_head is None else module.lm_head.weight
+            module.logits_product = LogitsProduct(weight)
         elif isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
-            module.forward = types.MethodType(_fused_decoder_forward, module)
-            module.fused_decoder = True  # its pieces (`decoder_input`, `layer_output`) serve prefill_graphs
+            # Its pieces (`decoder_input`, `layer_output`) also serve prefill_graphs.
+            module.fast_forward = _fused_decoder_forward
+            decoder = True
         elif isinstance(module, RMSNorm):
-            module.forward = types.MethodType(_fused_rms_forward, module)
+            module.fast_forward = _fused_rms_forward
         elif isinstance(module, GatedMLP):
             module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
-            module.forward = types.MethodType(_fused_mlp_forward, module)
-        elif isinstance(module, LlamaAttention) and module.head_dim % 2 == 0:
-            projections = [module.q_proj, module.k_proj, module.v_proj]
-            module.qkv_weight = concat_linear_params(projections, "weight")
-            module.qkv_bias = concat_linear_params(projections, "bias")
-            module.forward = types.MethodType(_fused_attention_forward, module)
-        else:
-            continue
-        n += 1
-    return n
+            module.fast_forward = _fused_mlp_forward
+            mlps += 1
+        elif isinstance(module, LlamaAttention):
+            num_attention += 1
+            if module.head_dim % 2 == 0:
+                projections = [module.q_proj, module.k_proj, module.v_proj]
+                module.qkv_weight = concat_linear_params(projections, "weight")
+                module.qkv_bias = concat_linear_params(projections, "bias")
+                module.fast_forward = _fused_attention_forward
+                attention += 1
+    return FusedModules(attention, num_attention, mlps, decoder)

@@ -3,8 +3,7 @@
 A full hit loads a prompt's whole prefix and computes its last token through the prefill
 kernels, so that the row has the bits it has inside a whole-prompt prefill. Run eagerly, that
 one-token forward is about ten Triton launches per layer and costs the host more than the
-device (an 8B model: 15 to 42 ms of launches on H200 machines, beside 22 ms of copies for an 8k
-prefix; 10 to 14 ms with the graphs). Everything whose shapes are fixed for one row is replayed here from graphs captured at
+device. Everything whose shapes are fixed for one row is replayed here from graphs captured at
 start-up; per layer only the attention over the prefix stays eager, since its key count is the
 prompt's:
 
@@ -17,12 +16,14 @@ prompt's:
       graph o_proj, residual + norm, MLP, residual + norm, layer l+1's qkv GEMM (after the
             last layer: the final norm)
 
-The graphs run the eager forward's kernels on the same one-row shapes, inside the row-invariant
-GEMMs as every prefill step, so the token's bits are the eager ones. They read one int32 buffer
-(token id, position, page slot) that `run` fills from the step's packed inputs; their outputs
-live in their own memory pool until the next `run`.
+The graphs run the eager forward's kernels on the same one-row shapes, captured with the
+row-invariant GEMMs (`row_invariant=True` in the capture's metadata) as every prefill step runs,
+so the token's bits are the eager ones. They read one int32 buffer (token id, position, page
+slot) that `run` fills from the step's packed inputs; their outputs live in their own memory
+pool until the next `run`.
 
-Only the fused forward of a single-GPU model has these pieces (`supports`).
+Only the fused forward of a single-GPU model has these pieces (`supports`: what
+`fast_paths.apply_fast_paths` chose says so).
 """
 
 from __future__ import annotations
@@ -31,19 +32,18 @@ from collections.abc import Callable
 
 import torch
 
-from kvtool.engine.attention import AttentionMetadata
+from kvtool.engine.attention import AttentionMetadata, attention_context
 from kvtool.engine.attention.cuda import cuda_attention
 from kvtool.engine.fused_ops import attention_output, decoder_input, layer_output, qkv_projection, rotate_qkv
 from kvtool.engine.kv_pages import KVPages
+from kvtool.engine.models.fast_paths import FastPaths
 from kvtool.engine.models.layers import CausalLM
-from kvtool.engine.row_invariant_gemm import row_invariant_gemms
 
 
-def supports(model: torch.nn.Module) -> bool:
-    """Whether `model` runs the fused decoder forward on one GPU (the pieces the graphs replay)."""
-    if not isinstance(model, CausalLM) or model.tp.size != 1 or not getattr(model.model, "fused_decoder", False):
-        return False
-    return all(hasattr(layer.self_attn, "qkv_weight") for layer in model.model.layers)
+def supports(model: CausalLM, fast_paths: FastPaths) -> bool:
+    """Whether `model` runs the fused decoder forward, with every attention block fused, on one
+    GPU (the pieces the graphs replay)."""
+    return model.tp.size == 1 and fast_paths.residual_in_norm and fast_paths.fused_qkv
 
 
 class OneTokenPrefillGraphs:
@@ -85,7 +85,11 @@ class OneTokenPrefillGraphs:
             h, x, cos, sin = decoder_input(decoder, self.ids, self.positions)
             return h, cos, sin, qkv_projection(layers[0].self_attn, x)
 
-        with row_invariant_gemms(True):
+        # Every projection as a prefill step runs it; no step's pages or slots (the graphs read
+        # their own inputs).
+        capture = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                    row_invariant=True)
+        with attention_context(capture):
             h, cos, sin, qkv = graphed(start)
             for i, layer in enumerate(layers):
                 attn = layer.self_attn

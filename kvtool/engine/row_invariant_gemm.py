@@ -10,16 +10,16 @@ rows and any of the tile configurations below. For many rows cuBLAS's own kernel
 the same way and give the same bits (tests/cuda/test_row_invariance.py checks both on the GPU
 it runs on), and they are faster, so `linear` uses cuBLAS from CUBLAS_MIN_ROWS rows up.
 
-The runner turns this on for steps that compute prefill rows (`row_invariant_gemms`), and for
-decode steps too in batch-invariant mode (the default); without that mode decode steps keep
-cuBLAS, or the GEMV of `gemv` for a single row (a decode row is computed the same way whether
-or not a prefix was loaded).
+Whether a product takes that path is an argument of the step, `linear(..., row_invariant=)`:
+the runner asks for it in steps that compute prefill rows, and in decode steps too in
+batch-invariant mode (an engine setting, on by default on CUDA); the fused forwards read it
+from the step's `AttentionMetadata.row_invariant`, the logits from `compute_logits`' argument.
+Without it decode steps keep cuBLAS, or the GEMV of `gemv` for a single row (a decode row is
+computed the same way whether or not a prefix was loaded). Nothing here is process state, so
+engines of different settings in one process do not affect each other.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,21 +35,6 @@ CUBLAS_MIN_ROWS = 1024
 # last for any); they all give the same bits, so the choice is speed alone.
 CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)),
            (CUBLAS_MIN_ROWS, (128, 128, 64, 8, 4)))
-
-_enabled = False
-
-
-@contextlib.contextmanager
-def row_invariant_gemms(on: bool = True) -> Iterator[None]:
-    """Route `linear` through the row-invariant path (or not, with on=False) while the block runs."""
-    global _enabled
-    before = _enabled
-    _enabled = on
-    try:
-        yield
-    finally:
-        _enabled = before
-
 
 # M is not specialized: one compiled kernel per tile configuration serves every row count (one
 # row, a multiple of 16 or any other), so a step of a new row count never compiles mid-request.
@@ -114,8 +99,8 @@ WIDE_OUTPUT = 32768
 
 
 def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """Tiles for a decode-sized product, from a sweep of the presets' decode shapes on an H200
-    (Qwen3-0.6B at 16-256 rows: 1.1-1.3x faster per projection than the row-count tiles)."""
+    """Tiles for a decode-sized product, from a sweep of the presets' decode shapes (Qwen3-0.6B
+    at 16-256 rows), where they beat the row-count tiles."""
     if n >= WIDE_OUTPUT:
         if rows <= 32:
             return (16 if rows <= 16 else 32), 64, 128, 4, 3
@@ -170,10 +155,11 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     return c
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for 2-D x; inside `row_invariant_gemms`, with rows independent of x's row count
-    (the bias is then added after the product, by one elementwise add on either path)."""
-    if not _enabled:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           row_invariant: bool) -> torch.Tensor:
+    """F.linear for 2-D x; with `row_invariant`, with rows independent of x's row count (the
+    bias is then added after the product, by one elementwise add on either path)."""
+    if not row_invariant:
         # A decode step of one sequence: the GEMV streams the weights faster than cuBLAS does.
         return gemv(x, weight) if gemv_fits(x, weight, bias) else F.linear(x, weight, bias)
     y = F.linear(x, weight) if x.shape[0] >= CUBLAS_MIN_ROWS else triton_mm(x, weight)

@@ -44,6 +44,7 @@ from kvtool.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.pinned_staging import PinnedStaging
 from kvtool.engine.sampler import SampleRow, sample_on_device
@@ -153,14 +154,16 @@ class PendingOutput:
 class ModelRunner:
     """Executes scheduled steps on one model and its KV pages.
 
-    On the CUDA backend it also routes the model's norms, attention projections and MLPs to
-    fused kernels (`use_fused_ops`) and replays decode steps from CUDA graphs
-    (`use_cuda_graphs`); both are on by default and exist as switches for tests and benchmarks.
+    `fast_paths`: what `models.fast_paths.apply_fast_paths` chose for the model (its fused
+    kernels, packed weights and GEMM routes); when None the runner applies them itself, here,
+    after the KV pages are sized. On the CUDA backend it also replays decode steps from CUDA
+    graphs (`use_cuda_graphs`, on by default, a switch for tests and benchmarks).
 
-    `batch_invariant` (CUDA): every step, decode ones too, runs its projections and logits through
-    the row-invariant GEMMs and its decode attention over fixed tiles (`attention.triton_tiles`),
-    so a request's tokens and logprobs do not depend on what it is batched with. The CPU path
-    is batch-invariant either way.
+    `batch_invariant` (CUDA): every step, decode ones too, asks for the row-invariant GEMMs for
+    its projections and logits and runs its decode attention over fixed tiles
+    (`attention.triton_tiles`), so a request's tokens and logprobs do not depend on what it is
+    batched with. It is this runner's setting, passed with each step, never process state. The
+    CPU path is batch-invariant either way.
     """
 
     def __init__(
@@ -170,11 +173,11 @@ class ModelRunner:
         device: torch.device,
         connector: WorkerHalf | None = None,
         use_cuda_graphs: bool = True,
-        use_fused_ops: bool = True,
         max_model_len: int | None = None,
         backend: str = "auto",
         batch_invariant: bool = False,
         max_num_seqs: int = MAX_GRAPH_BATCH,
+        fast_paths: FastPaths | None = None,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -197,25 +200,19 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
-        # CUDA: whether the model computes the last layer for a step's sampled rows alone.
-        self.sampled_rows_only = False
+        if fast_paths is None:
+            fast_paths = apply_fast_paths(model, device, kv_pages.tensor.dtype, backend=backend)
+        if fast_paths.kernels == "triton" and self.backend != "cuda":
+            raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
+        self.fast_paths = fast_paths
+        # Whether the model computes the last layer for a step's sampled rows alone.
+        self.sampled_rows_only = fast_paths.sampled_rows_only
         if self.backend == "cuda":
-            self._setup_cuda(use_cuda_graphs, use_fused_ops)
-        elif device.type == "cpu":
-            from kvtool.engine.models.cpu_gemm import pack_cpu_linears
+            self._setup_cuda(use_cuda_graphs)
 
-            pack_cpu_linears(model)  # projections and LM head over oneDNN-reordered weights
-
-    def _setup_cuda(self, use_cuda_graphs: bool, use_fused_ops: bool) -> None:
+    def _setup_cuda(self, use_cuda_graphs: bool) -> None:
         from kvtool.engine.attention.triton_ops import choose_num_splits
-        from kvtool.engine.fused_ops import apply_fused_ops, can_fuse, computes_sampled_rows
-        from kvtool.engine.row_invariant_gemm import row_invariant_gemms
 
-        self._row_invariant = row_invariant_gemms
-
-        if use_fused_ops and can_fuse(self.model):
-            apply_fused_ops(self.model)
-            self.sampled_rows_only = computes_sampled_rows(self.model)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         num_kv_heads = self.kv_pages.geometry.num_kv_heads
         self.num_splits_for = lambda batch, max_context: choose_num_splits(batch, num_kv_heads, max_context, num_sms)
@@ -233,7 +230,7 @@ class ModelRunner:
             self.graphs.capture_all()
             from kvtool.engine import prefill_graphs
 
-            if prefill_graphs.supports(self.model):
+            if prefill_graphs.supports(self.model, self.fast_paths):
                 self.prefill_graphs = prefill_graphs.OneTokenPrefillGraphs(self.model, self.kv_pages)
                 self.prefill_graphs.capture()
 
@@ -258,11 +255,10 @@ class ModelRunner:
             step = pack_step([], no_decode, [s], [np.arange(blocks, dtype=np.int32)], bs, self.device,
                              self.num_splits_for(0, self.max_context), self.batch_invariant)
             meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
-                                     device_batch=step.batch)
-            with attention_context(meta), self._row_invariant(True):
+                                     device_batch=step.batch, row_invariant=True)
+            with attention_context(meta):
                 hidden = self._sampled_hidden(step)
-            with self._row_invariant(self.batch_invariant):
-                self.model.compute_logits(hidden)
+            self.model.compute_logits(hidden, row_invariant=self.batch_invariant)
         torch.cuda.synchronize(self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -378,17 +374,17 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         # On CPU the model computes the last layer (past storing every row's K/V) and the final
         # norm for the sampled rows only: a row's bits there do not depend on the rows computed
-        # with it. Elsewhere every row.
-        on_cpu = dev.type == "cpu"
+        # with it (`FastPaths.sampled_rows_only`). Elsewhere every row.
+        rows_only = self.sampled_rows_only
         with attention_context(meta):
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                rows if on_cpu else None,
+                rows if rows_only else None,
             )
         if not sample_rows:
             return None
-        logits = self.model.compute_logits(hidden if on_cpu else hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden if rows_only else hidden.index_select(0, rows))
         return self._sample([s for s in so.scheduled if s.sample], logits)
 
     # ---- CUDA backend ------------------------------------------------------------------------------
@@ -431,22 +427,22 @@ class ModelRunner:
         step = plan.packed if plan.packed is not None else self._pack(plan)
         if dst:
             self._patch_from_previous(step.input_ids, dst, src)
+        invariant = self.batch_invariant
+        # Prefill rows always take the row-invariant GEMMs; decode rows in batch-invariant mode.
         meta = AttentionMetadata(
             kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None, hooks=hooks,
-            device_batch=step.batch,
+            device_batch=step.batch, row_invariant=bool(prefill) or invariant,
         )
         self._order_page_writes(step.written_blocks)
-        invariant = self.batch_invariant
         if self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1:
             hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)  # its one row
         else:
-            with attention_context(meta), self._row_invariant(bool(prefill) or invariant):
+            with attention_context(meta):
                 hidden = self._sampled_hidden(step)
         sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
         if not sampled:
             return None
-        with self._row_invariant(invariant):
-            logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, row_invariant=invariant)
         return self._sample(sampled, logits)
 
     def _sampled_hidden(self, step: PackedStep) -> torch.Tensor:

@@ -151,6 +151,7 @@ class _Worker:
         from kvtool.engine.connectors.registry import resolve_connector
         from kvtool.engine.identity import rank_identity
         from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
+        from kvtool.engine.models.fast_paths import apply_fast_paths
         from kvtool.engine.runner import ModelRunner
         from kvtool.engine.tp_layout import TPRank, kv_head_range
 
@@ -166,10 +167,12 @@ class _Worker:
             ctx = ConnectorContext(config=ktc, identity=rank_identity(spec.identity, tp),
                                    none_hash=spec.none_hash)
             self.connector = resolve_connector(ktc).create_worker_half(ctx)
+        # After the KV pages are sized and allocated, as the single-process runner applies them.
+        fast_paths = apply_fast_paths(self.model, self.device, self.dtype, backend=p.attention_backend)
         self.runner = ModelRunner(
             self.model, self.kv_pages, self.device, self.connector, max_model_len=spec.max_model_len,
             use_cuda_graphs=not p.enforce_eager, backend=p.attention_backend,
-            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs,
+            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs, fast_paths=fast_paths,
         )
 
     def _recv(self):

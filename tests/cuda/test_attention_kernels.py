@@ -232,10 +232,10 @@ TINY_LLAMA = {
 def test_fused_model_matches_plain_model(arch):
     """The same weights with and without the fused ops: logits and the stored K/V agree within bf16."""
     from kvtool.engine.attention import AttentionMetadata, attention_context
-    from kvtool.engine.fused_ops import apply_fused_ops
     from kvtool.engine.kv_pages import KVGeometry, KVPages
     from kvtool.engine.model_dir import parse_config
     from kvtool.engine.models import build_model
+    from kvtool.engine.models.fast_paths import apply_fast_paths
     from kvtool.engine.presets import PRESETS
     from kvtool.engine.runner import decode_rows, pack_step
 
@@ -247,8 +247,7 @@ def test_fused_model_matches_plain_model(arch):
     results = []
     for fused in (False, True):
         model = build_model(cfg, DEV, torch.bfloat16, "dummy", seed=3)
-        if fused:
-            assert apply_fused_ops(model) > 0
+        assert apply_fast_paths(model, DEV, torch.bfloat16, fused=fused).kernels == ("triton" if fused else "reference")
         pages = KVPages(geo, 8, DEV)
         step = pack_step([], decode_rows([], [], bs), [seq], [np.arange(5, dtype=np.int32)], bs, DEV, 1)
         meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None,

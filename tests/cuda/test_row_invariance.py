@@ -67,19 +67,18 @@ def test_cublas_rows_match_from_the_threshold(model):
             assert torch.equal(F.linear(a[:rows], w), whole[:rows]), (n, k, rows)
 
 
-def test_linear_switch_and_bias():
-    from kvtool.engine.row_invariant_gemm import CUBLAS_MIN_ROWS, linear, row_invariant_gemms
+def test_linear_route_argument_and_bias():
+    from kvtool.engine.row_invariant_gemm import CUBLAS_MIN_ROWS, linear
 
     a, w = _operands(512, 256, CUBLAS_MIN_ROWS + 50)
     bias = torch.randn(512, device=DEV).to(torch.bfloat16)
-    plain = linear(a[-10:], w, bias)
+    plain = linear(a[-10:], w, bias, row_invariant=False)
     assert torch.equal(plain, F.linear(a[-10:], w, bias))
-    with row_invariant_gemms():
-        big = linear(a, w, bias)
-        small = linear(a[-10:], w, bias)
+    big = linear(a, w, bias, row_invariant=True)
+    small = linear(a[-10:], w, bias, row_invariant=True)
     assert torch.equal(small, big[-10:])
     assert float((small.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
-    assert torch.equal(linear(a[-10:], w, bias), plain)  # the switch is off again
+    assert torch.equal(linear(a[-10:], w, bias, row_invariant=False), plain)  # no call leaves state behind
 
 
 @pytest.mark.parametrize("length", [700, 3000])
@@ -240,20 +239,18 @@ def test_the_last_layer_of_the_sampled_rows_alone_gives_their_bits(tmp_path):
     over a cached prefix, beside decode rows (both decode kernels), and for a step that samples
     nothing at all. Qwen3-0.6B's shapes with random weights."""
     from kvtool.engine.attention import AttentionMetadata, attention_context, select_backend
-    from kvtool.engine.fused_ops import apply_fused_ops, computes_sampled_rows
     from kvtool.engine.kv_pages import KVGeometry, KVPages
     from kvtool.engine.messages import ScheduledRequest
     from kvtool.engine.model_dir import open_model_dir
     from kvtool.engine.models import build_model
+    from kvtool.engine.models.fast_paths import apply_fast_paths
     from kvtool.engine.presets import create_model_dir
-    from kvtool.engine.row_invariant_gemm import row_invariant_gemms
     from kvtool.engine.runner import decode_rows, pack_step
 
     create_model_dir(tmp_path / "m", preset="qwen3-0.6b", config_only=True)
     cfg = open_model_dir(tmp_path / "m").config
     model = build_model(cfg, DEV, torch.bfloat16, "dummy", 3)
-    apply_fused_ops(model)
-    assert computes_sampled_rows(model)
+    assert apply_fast_paths(model, DEV, torch.bfloat16).sampled_rows_only
     assert select_backend(DEV, torch.bfloat16, cfg.head_dim) == "cuda"
     bs = 16
     geo = KVGeometry(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -273,8 +270,8 @@ def test_the_last_layer_of_the_sampled_rows_alone_gives_their_bits(tmp_path):
         p_tables = [np.arange(200 + 100 * j, 300 + 100 * j, dtype=np.int32) for j in range(len(prefill))]
         step = pack_step(decode, decode_rows(decode, d_tables, bs), prefill, p_tables, bs, DEV, 4, tiles)
         meta = AttentionMetadata(kv_pages=pages, seqs=[], slot_block_ids=None, slot_offsets=None,
-                                 device_batch=step.batch)
-        with torch.inference_mode(), attention_context(meta), row_invariant_gemms(True):
+                                 device_batch=step.batch, row_invariant=True)
+        with torch.inference_mode(), attention_context(meta):
             if rows:
                 assert step.batch.sampled is not None
                 hidden = model(step.input_ids, step.positions, step.sample_rows)

@@ -1,7 +1,7 @@
 """Our models against Hugging Face transformers (the reference) on the same directory, float32 on CPU.
 
-For each model, with its products through F.linear and through oneDNN (as the runner runs
-them): a 64-token prefill, then 32 greedy decode steps, through real KVPages and
+For each model, with its modules' own forwards, with the CPU fused forwards over F.linear, and
+over oneDNN (as the runner runs them): a 64-token prefill, then 32 greedy decode steps, through real KVPages and
 attention metadata; the logits at all 96 positions must be within 1e-4 of transformers' logits for
 the same tokens, and transformers' argmax must pick the same greedy tokens.
 """
@@ -17,7 +17,8 @@ from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_contex
 from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.model_dir import ModelConfig, open_model_dir
 from kvtool.engine.models import build_model
-from kvtool.engine.models.cpu_gemm import pack_cpu_linears
+from kvtool.engine.models.cpu_fused import fuse_cpu_modules
+from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.layers import rope_inv_freq
 from kvtool.engine.presets import write_random_model_dir
 
@@ -26,9 +27,9 @@ NUM_DECODE_STEPS = 32
 # float32 logits; transformers multiplies other shapes, whose BLAS kernels round differently by
 # machine (up to about 1e-4 on the embedded model on AVX-512 and AMX CPUs).
 ATOL = 2e-4
-# The model's products as `build_model` makes them (F.linear), and over oneDNN-reordered weights
-# as the runner runs them (`cpu_gemm`).
-PRODUCTS = ["dense", "onednn"]
+# The model's own forwards as `build_model` makes them, the CPU fused forwards over F.linear
+# products, and over oneDNN-reordered weights as the runner runs them (`apply_fast_paths`).
+PRODUCTS = ["reference", "dense", "onednn"]
 
 
 class PagedSequence:
@@ -88,8 +89,10 @@ def hf_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
 def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
     md = open_model_dir(model_dir)
     ours = build_model(md, "cpu", torch.float32, "auto")
-    if products == "onednn":  # as the runner runs it
-        assert pack_cpu_linears(ours) > 0
+    if products == "dense":
+        fuse_cpu_modules(ours)
+    elif products == "onednn":  # as the runner runs it
+        assert apply_fast_paths(ours, "cpu", torch.float32).packed_weights > 0
     logits, generated = greedy_run(ours, md.config, prompt, NUM_DECODE_STEPS)
     ref = hf_logits(model_dir, prompt + generated)
     assert logits.shape == ref.shape == (len(prompt) + NUM_DECODE_STEPS, md.config.vocab_size)

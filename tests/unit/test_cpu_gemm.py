@@ -6,6 +6,7 @@ a few rows is padded to the smallest multiple (4 or 8) whose rows match larger b
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from kvtool.engine.attention import ROW_MULTIPLE
 from kvtool.engine.model_dir import parse_config
 from kvtool.engine.models import build_model
+from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.cpu_gemm import CpuLinear, few_rows_multiple, pack_cpu_linears
+from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.layers import pad_rows_on_cpu
 from kvtool.engine.presets import PRESETS
 
@@ -81,6 +84,7 @@ def _logits(model, config, ids: torch.Tensor) -> torch.Tensor:
 def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
     config = parse_config(dict(PRESETS["tiny"].hf_config, tie_word_embeddings=tied))
     model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    products = fuse_cpu_modules(model)
     ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(3))
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     embedding = model.model.embed_tokens.weight.clone()
@@ -89,7 +93,7 @@ def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
         return _logits(model, config, ids)
 
     before = logits()
-    moved = pack_cpu_linears(model)
+    moved = pack_cpu_linears(products)
     layers = config.num_layers
     assert moved == (4 * layers + 1 if torch.backends.mkldnn.is_available() else 0)
     if moved:
@@ -101,7 +105,7 @@ def test_packing_frees_the_dense_matrices_and_keeps_the_output(tied):
     assert torch.equal(model.model.embed_tokens.weight, embedding)  # the embedding (a tied head) stays
     after = logits()
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
-    assert pack_cpu_linears(model) == 0  # already moved
+    assert pack_cpu_linears(products) == 0  # already moved
     assert torch.equal(logits(), after)
 
 
@@ -110,15 +114,26 @@ def test_without_onednn_the_products_stay_f_linear(monkeypatch):
     config = parse_config(PRESETS["tiny"].hf_config)
     model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    products = fuse_cpu_modules(model)
     before = _logits(model, config, ids)
-    assert pack_cpu_linears(model) == 0
-    assert torch.equal(_logits(model, config, ids), before)  # the same F.linear products, now through CpuLinear
+    assert pack_cpu_linears(products) == 0
+    assert torch.equal(_logits(model, config, ids), before)  # the same F.linear products
     attn = model.model.layers[0].self_attn
     assert not attn.qkv_linear.packed and attn.q_proj.weight.numel() > 0
-    assert not attn.o_proj.cpu_linear.packed and attn.o_proj.weight.numel() > 0 and not model.cpu_head.packed
-    assert model.model.few_rows_multiple == ROW_MULTIPLE
+    assert not attn.o_linear.packed and attn.o_proj.weight.numel() > 0 and not model.logits_product.packed
+
+    other = build_model(config, "cpu", torch.float32, "dummy", seed=4)
+    chosen = apply_fast_paths(other, "cpu", torch.float32)
+    assert chosen.kernels == "cpu" and chosen.packed_weights == 0
+    assert set(msgspec_values(chosen.gemm)) == {"torch"}
+    assert chosen.few_rows_multiple == other.model.few_rows_multiple == ROW_MULTIPLE
+    assert torch.equal(_logits(other, config, ids), before)
     weight = torch.randn(8, 4)
     assert CpuLinear(weight).reordered().weight is weight
+
+
+def msgspec_values(struct) -> list:
+    return list(msgspec.structs.asdict(struct).values())
 
 
 def test_only_float32_weights_are_reordered():
@@ -169,13 +184,14 @@ def test_packing_sets_the_few_rows_multiple_except_on_tensor_parallel_ranks():
 
     config = parse_config(PRESETS["tiny"].hf_config)
     model = build_model(config, "cpu", torch.float32, "dummy", seed=4)
-    assert model.model.few_rows_multiple == ROW_MULTIPLE  # before the runner packs it
-    moved = pack_cpu_linears(model)
+    assert model.model.few_rows_multiple == ROW_MULTIPLE  # before its fast paths are applied
+    chosen = apply_fast_paths(model, "cpu", torch.float32)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    products = [attn.qkv_linear, attn.o_proj.cpu_linear, mlp.gate_up_linear, mlp.down_proj.cpu_linear, model.cpu_head]
-    assert model.model.few_rows_multiple == (few_rows_multiple(products) if moved else ROW_MULTIPLE)
+    products = [attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear, model.logits_product]
+    few = few_rows_multiple(products) if chosen.packed_weights else ROW_MULTIPLE
+    assert model.model.few_rows_multiple == chosen.few_rows_multiple == few
 
     shard = build_model(config, "cpu", torch.float32, "dummy", seed=4)
     shard.tp = TPRank(2, 0)  # as a rank's shard says it is one (its shapes do not matter here)
-    pack_cpu_linears(shard)
+    assert apply_fast_paths(shard, "cpu", torch.float32).few_rows_multiple == ROW_MULTIPLE
     assert shard.model.few_rows_multiple == ROW_MULTIPLE

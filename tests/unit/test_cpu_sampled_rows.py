@@ -13,7 +13,8 @@ from kvtool.engine.attention import AttentionMetadata, SeqSpan, attention_contex
 from kvtool.engine.kv_pages import KVGeometry, KVPages
 from kvtool.engine.model_dir import ModelConfig, parse_config
 from kvtool.engine.models import build_model
-from kvtool.engine.models.cpu_gemm import pack_cpu_linears
+from kvtool.engine.models.cpu_fused import fuse_cpu_modules
+from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.presets import PRESETS
 
 BS = 16
@@ -42,12 +43,14 @@ def _forward(model, config: ModelConfig, spans: list[tuple[int, int]], rows: tor
     return hidden, pages.tensor
 
 
-@pytest.mark.parametrize("products", ["dense", "onednn"])
+@pytest.mark.parametrize("products", ["reference", "dense", "onednn"])
 def test_sampled_rows_equal_the_full_forward(products):
     config = parse_config(PRESETS["tiny"].hf_config)
     model = build_model(config, "cpu", torch.float32, "dummy", seed=3)
-    if products == "onednn":  # as the runner runs it
-        assert pack_cpu_linears(model) > 0
+    if products == "dense":  # the fused forwards over F.linear
+        fuse_cpu_modules(model)
+    elif products == "onednn":  # as the runner runs it
+        assert apply_fast_paths(model, "cpu", torch.float32).packed_weights > 0
     spans = [(0, 37), (0, 300), (0, 5)]
     full, full_pages = _forward(model, config, spans, None)
     for rows in ([36], [36, 336, 341], [0, 100, 341], []):

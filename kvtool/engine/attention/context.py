@@ -1,4 +1,5 @@
-"""Per-step attention metadata, set by the runner for one forward and read by the attention layers.
+"""Per-step attention metadata, set by the runner for one forward and read by the attention layers
+(and, for `row_invariant`, by the CUDA fused forwards' projections).
 
 The runner wraps each forward in `with attention_context(meta):`; models never receive it as an
 argument, and nothing but the runner writes it.
@@ -119,6 +120,10 @@ class AttentionMetadata:
     extra: dict = field(default_factory=dict)
     # Set by the runner when the CUDA backend runs the step; the reference backend reads `seqs`.
     device_batch: DeviceBatch | None = None
+    # Whether the step's projections run through the row-invariant GEMMs (`row_invariant_gemm`):
+    # set by the runner (prefill rows; every step of a batch-invariant engine), read by the CUDA
+    # fused forwards. The reference and CPU products ignore it (their rows are invariant anyway).
+    row_invariant: bool = False
 
 
 _current: AttentionMetadata | None = None

@@ -59,9 +59,9 @@ def build_model(
 
     load_format "auto" reads the directory's safetensors (a ModelDir is required); "dummy" fills
     every parameter with random values made on `device` from a generator seeded with `seed`, so
-    the same seed on the same device gives the same model. On CPU the model runs the fused
-    forwards of `cpu_fused`. Raises ModelError for an unsupported
-    architecture or any weight-file problem (one line naming the file and tensor).
+    the same seed on the same device gives the same model. The model runs its modules' own
+    forwards until `fast_paths.apply_fast_paths` chooses its fast ones. Raises ModelError for an
+    unsupported architecture or any weight-file problem (one line naming the file and tensor).
 
     With `tp` of size > 1 it builds rank tp.rank's shard; the default process group of
     torch.distributed must be initialised with tp.size ranks (ConfigError otherwise, or when
@@ -91,10 +91,6 @@ def build_model(
             _load_safetensors(source.path, config, params, device, slices)
         else:
             raise ModelError(f"unknown load format {load_format!r} (auto or dummy)")
-    if device.type == "cpu":
-        from kvtool.engine.models.cpu_fused import apply_cpu_fusion
-
-        apply_cpu_fusion(model)
     return model
 
 

@@ -10,11 +10,19 @@ dropped from the result): BLAS computes few rows (1 to 3, with threads 5 to 7 or
 so without it a request's bits would depend on how many requests it is batched with. A step of
 at most ROW_MULTIPLE rows goes to a multiple of the model's `few_rows_multiple` instead, which
 `cpu_gemm` lowers to 4 or 8 where the machine's products give such rows the bits of larger batches.
+
+Which forward runs: each module below computes with the plain ops written in it unless its
+`fast_forward` field (RMSNorm, GatedMLP, DecoderModel; LlamaAttention in llama.py),
+`fast_forward_rows` (DecoderLayer) or `logits_product` (CausalLM) is set. Those fields are set
+once, by `fast_paths.apply_fast_paths` alone, before the first step; its docstring says which
+fused forward (`cpu_fused` on CPU, `fused_ops` on CUDA) each one gets, and the `FastPaths` it
+returns says what it chose for a model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,9 +63,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # fast_forward(self, x): a fused norm set by `apply_fast_paths`; None runs the one below.
+        self.fast_forward: Callable[[RMSNorm, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dim in float32, then scale. Returns x's shape and dtype."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, x)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -137,9 +149,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, rows, bias=False)
         down_cls = nn.Linear if tp.size == 1 else RowParallelLinear
         self.down_proj = down_cls(rows, hidden_size, bias=False)
+        # fast_forward(self, x): gate and up as one product (set by `apply_fast_paths`, with that
+        # product's weight); None runs the one below.
+        self.fast_forward: Callable[[GatedMLP, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU. [T, hidden] -> [T, hidden]."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -150,6 +167,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+        # fast_forward_rows(self, h, cos, sin, rows, few): `forward_rows` with attention and o_proj
+        # for `rows` only too (set by `apply_fast_paths` on CPU); None runs the one below.
+        self.fast_forward_rows: Callable[..., torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-norm attention and MLP blocks with residuals. [T, hidden] -> [T, hidden]."""
@@ -161,6 +181,8 @@ class DecoderLayer(nn.Module):
         """`forward` with only `rows` of the result wanted: attention runs on every row (it stores
         their K/V), the residual and the MLP on `rows` only (padded on CPU, `pad_rows_on_cpu`).
         [T, hidden] -> [len(rows) padded on CPU, hidden]; rows past len(rows) are padding."""
+        if self.fast_forward_rows is not None:
+            return self.fast_forward_rows(self, h, cos, sin, rows, few)
         a = self.self_attn(self.input_layernorm(h), cos, sin)
         h = pad_rows_on_cpu(h.index_select(0, rows) + a.index_select(0, rows), few)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -168,10 +190,6 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
-
-    # On CPU, a step of at most ROW_MULTIPLE rows is padded to a multiple of this (`cpu_gemm`
-    # lowers it where the machine's products give those few rows the bits of larger batches).
-    few_rows_multiple = ROW_MULTIPLE
 
     def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank()) -> None:
         super().__init__()
@@ -184,11 +202,20 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # On CPU, a step of at most ROW_MULTIPLE rows is padded to a multiple of this
+        # (`apply_fast_paths` lowers it where the machine's products give those few rows the bits
+        # of larger batches).
+        self.few_rows_multiple = ROW_MULTIPLE
+        # fast_forward(self, input_ids, positions, rows): the decoder loop with each residual add
+        # fused into the next norm (set by `apply_fast_paths` on CUDA); None runs the one below.
+        self.fast_forward: Callable[..., torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden], or with `rows`
         ([S] long) those rows only, [S, hidden]: the last layer's MLP and the final norm then run
         on S rows instead of T (a prefill samples one row of its prompt)."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, input_ids, positions, rows)
         n = input_ids.shape[0] if rows is None else rows.shape[0]
         few = self.few_rows_multiple
         input_ids, positions = pad_rows_on_cpu(input_ids, few), pad_rows_on_cpu(positions, few)
@@ -215,8 +242,6 @@ class CausalLM(nn.Module):
     """
 
     attention_cls: type[nn.Module]
-    # The LM head's product; the CUDA fused ops put the row-invariant `linear` here.
-    logits_linear = staticmethod(F.linear)
 
     def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()
@@ -227,16 +252,25 @@ class CausalLM(nn.Module):
         # Untied ones hold the same vocab rows of lm_head as of the embedding.
         vocab_rows = split_range(config.vocab_size, tp.size, tp.rank)[1]
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        # logits_product(hidden, row_invariant): the LM head's product (set by `apply_fast_paths`:
+        # oneDNN over a reordered copy of the weight on CPU, `row_invariant_gemm` on CUDA); None
+        # is F.linear over the weight itself.
+        self.logits_product: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T], [T] -> [T, hidden]; with `rows` [S], only those rows: [S, hidden] (DecoderModel)."""
         return self.model(input_ids, positions, rows)
 
-    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True, row_invariant: bool = False) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], float32 (or, with as_float=False, the weights' dtype: a
-        decode graph takes its argmax from those and converts only when a sampler needs it)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.logits_linear(pad_rows_on_cpu(hidden, self.model.few_rows_multiple), weight)[: hidden.shape[0]]
+        decode graph takes its argmax from those and converts only when a sampler needs it).
+        `row_invariant`: the step asks for rows independent of N (see `row_invariant_gemm`)."""
+        x = pad_rows_on_cpu(hidden, self.model.few_rows_multiple)
+        if self.logits_product is not None:
+            logits = self.logits_product(x, row_invariant)[: hidden.shape[0]]
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(x, weight)[: hidden.shape[0]]
         if self.tp.size > 1:
             logits = gather_vocab(logits, self.config.vocab_size, self.tp)
         return logits.float() if as_float else logits

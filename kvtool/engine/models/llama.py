@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -30,9 +32,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         o_cls = nn.Linear if tp.size == 1 else RowParallelLinear
         self.o_proj = o_cls(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # fast_forward(self, x, cos, sin): q/k/v as one product, then one norm-and-rotate pass
+        # (set by `models.fast_paths.apply_fast_paths`, with that product's weight; Qwen3's too).
+        # None runs the forward below.
+        self.fast_forward: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; stores this step's K/V in the pages through `attend`."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, x, cos, sin)
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)

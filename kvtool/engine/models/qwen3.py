@@ -23,6 +23,8 @@ class Qwen3Attention(LlamaAttention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; q/k are normalised per head, then rotated."""
+        if self.fast_forward is not None:  # LlamaAttention's field
+            return self.fast_forward(self, x, cos, sin)
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
