@@ -193,7 +193,8 @@ ModelNameOpt = Annotated[Optional[str], typer.Option(
 )]
 ChunkTokensOpt = Annotated[int, typer.Option("--chunk-tokens", help="LMCache chunk_size.")]
 HashAlgoOpt = Annotated[str, typer.Option(
-    "--hash-algo", help="vllm (LMCache sha256_cbor), builtin (needs --none-hash-seed) or blake3 (kvtool only).",
+    "--hash-algo", help="vllm (LMCache sha256_cbor), builtin (needs --none-hash-seed) or blake3 (kvtool only: "
+    "its keys also carry --model's identity, so they are --model's, at --kv-dtype and --world-size).",
 )]
 NoneHashSeedOpt = Annotated[Optional[str], typer.Option(
     "--none-hash-seed", show_default=False, help="The peer's PYTHONHASHSEED. Default: unset.",
@@ -291,7 +292,10 @@ def verify_keys(
         parse_lm_url(peer)
     show_progress = not json_out and render.stderr.is_terminal
 
-    model_dir = _open_model(model, show_progress) if prompt is not None or peer is not None else None
+    needs_model = prompt is not None or peer is not None or hash_algo == "blake3"
+    model_dir = _open_model(model, show_progress) if needs_model else None
+    if hash_algo == "blake3":
+        settings = msgspec.structs.replace(settings, identity_digest=blake3_identity_digest(model_dir, model, settings))
     if tokens is not None:
         sequences = read_token_sequences(tokens)
     else:
@@ -333,6 +337,18 @@ def verify_keys(
         raise typer.Exit(code)
 
 
+def blake3_identity_digest(model_dir: ModelDir, model: str | None, settings: LMCacheKeySettings) -> str:
+    """The identity digest an engine on `model_dir` puts in its blake3 keys, at the settings' KV dtype
+    and world size (make_identity_digest of the identity such an engine has)."""
+    from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
+    from kvtool.engine.engine import identity_for_model
+    from kvtool.engine.params import EngineParams
+
+    identity = identity_for_model(model_dir.path, EngineParams(model=model, device="cpu"))
+    identity = msgspec.structs.replace(identity, kv_dtype=settings.kv_dtype, tp_size=settings.world_size)
+    return make_identity_digest(identity)
+
+
 def serve_kv_dtype(device: str) -> str:
     """The KV dtype `kvtool serve --device DEVICE` stores (its --dtype auto): float32 on CPU, else bfloat16."""
     if device == "auto":
@@ -359,6 +375,8 @@ def peer_miss_hint(num_keys: int, peer: str, settings: LMCacheKeySettings) -> st
         f"chunks of {settings.chunk_tokens} tokens, hash {settings.hash_algo}, world size {settings.world_size}, "
         f"worker {settings.worker_id}; each must match the writer (kvtool serve stores float32 on CPU, "
         "bfloat16 on CUDA): see --model-name, --kv-dtype, --device, --chunk-tokens, --hash-algo"
+        + ("; blake3 keys also carry --model's weights and config, so another checkpoint's chunks never match"
+           if settings.identity_digest is not None else "")
     )
 
 

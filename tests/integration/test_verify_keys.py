@@ -216,6 +216,40 @@ def test_peer_table_names_the_misfit(stored, run_kvtool):
     assert "problem" in out and "1 do not fit" in out  # a narrow table folds the problem text
 
 
+def test_peer_finds_an_engines_blake3_chunks_only_with_its_model(make_engine, lmcache_server, tiny_model_dir,
+                                                                  tmp_path, run_kvtool):
+    """blake3 keys carry the writer's identity: verify-keys derives it from --model."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.params import SamplingParams
+    from kvtool.engine.presets import create_model_dir
+
+    host, port, _ = lmcache_server
+    model_name = f"kvtool-test/blake3-{uuid.uuid4().hex[:12]}"
+    engine = make_engine(kv_transfer_config=parse_kv_transfer_config(json.dumps({
+        "kv_connector": "LMCacheConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host": host, "port": port, "model_name": model_name}})))
+    tiny_tokens = [t % 500 for t in TOKENS]  # the tiny model's vocabulary has 512 ids
+    engine.generate([tiny_tokens], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.worker_connector.flush()
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(tiny_tokens))
+    args = ["verify-keys", "--peer", f"lm://{host}:{port}", "--tokens", tokens, "--model-name", model_name,
+            "--kv-dtype", "float32", "--chunk-tokens", "16", "--hash-algo", "blake3", "--json"]
+    code, out, err = run_kvtool(args + ["--model", tiny_model_dir])
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["present"], r["fits"]) for r in rows] == [(True, True), (True, True)]
+    expected = make_chunk_keys(tiny_tokens, engine.scheduler_connector.key_settings)
+    assert [r["key"] for r in rows] == [k.key for k in expected]
+
+    other = tmp_path / "other"
+    create_model_dir(other, preset="tiny", seed=1)
+    code, out, err = run_kvtool(args + ["--model", other])
+    assert code == 0, err
+    assert [r["present"] for r in json.loads(out)] == [False, False]
+    assert "another checkpoint" in err
+
+
 # ----------------------------------------------------------------------------- keys alone
 
 

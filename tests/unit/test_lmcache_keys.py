@@ -552,6 +552,75 @@ def test_blake3_mode_is_self_consistent_and_distinct():
     assert not {c.key for c in chunks} & {c.key for c in vllm}
 
 
+def _identity(**kw):
+    from kvtool.engine.connectors.base import EngineIdentity
+    from kvtool.engine.kv_pages import KVGeometry
+
+    fields = dict(model_name=MODEL, architecture="Qwen3ForCausalLM", config_digest="c", weights_digest="w",
+                  rope_digest="r", sliding_window=0, weight_quantization="none", kv_dtype="float32",
+                  kv_quantization="none", block_hash_algo="sha256_cbor", none_hash_seed="s", model_num_kv_heads=4,
+                  geometry=KVGeometry(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="float32"))
+    fields.update(kw)
+    return EngineIdentity(**fields)
+
+
+def test_identity_digest_covers_what_the_chunk_bytes_depend_on():
+    from kvtool.engine.connectors.base import identity_of_rank
+    from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
+
+    base = make_identity_digest(_identity())
+    assert base == make_identity_digest(_identity())  # deterministic: shared across processes
+    geometry = _identity().geometry
+    for change in ({"weights_digest": "w2"}, {"config_digest": "c2"}, {"rope_digest": "r2"},
+                   {"architecture": "LlamaForCausalLM"}, {"sliding_window": 4096}, {"kv_dtype": "bfloat16"},
+                   {"kv_quantization": "fp8"}, {"weight_quantization": "awq"}, {"tp_size": 2}, {"pp_size": 2},
+                   {"geometry": msgspec.structs.replace(geometry, num_layers=3)},
+                   {"geometry": msgspec.structs.replace(geometry, head_dim=16)}):
+        assert make_identity_digest(_identity(**change)) != base, change
+    # Provenance, key fields and the page block size do not change a chunk's bytes.
+    for same in ({"engine_id": "other"}, {"device_type": "cuda"}, {"model_name": "other"},
+                 {"none_hash_seed": "t"}, {"geometry": msgspec.structs.replace(geometry, block_size=32)}):
+        assert make_identity_digest(_identity(**same)) == base, same
+    # Every rank of one engine has one digest: the scheduler half keys chunks as rank 0.
+    tp2 = _identity(tp_size=2)
+    assert len({make_identity_digest(identity_of_rank(tp2, 2, r)) for r in range(2)}) == 1
+
+
+def test_blake3_keys_with_an_identity_digest():
+    tokens = SEQUENCES["rand257_seed3"]
+    plain = LMCacheKeySettings(MODEL, hash_algo="blake3", chunk_tokens=16)
+    a, b = (msgspec.structs.replace(plain, identity_digest=d) for d in ("a" * 64, "b" * 64))
+    keys_a, keys_b = make_chunk_keys(tokens, a), make_chunk_keys(tokens, b)
+    assert keys_a == make_chunk_keys(tokens, msgspec.structs.replace(plain, identity_digest="a" * 64))
+    assert not {k.key for k in keys_a} & {k.key for k in keys_b}
+    assert not {k.key for k in keys_a} & {k.key for k in make_chunk_keys(tokens, plain)}
+    # Only the hash field differs: the key still parses as LMCache's, with the same fields.
+    parsed = parse_key(keys_a[0].key)
+    assert (parsed.model_name, parsed.world_size, parsed.worker_id, parsed.dtype_str) == (MODEL, 1, 0, "bfloat16")
+    assert parsed.chunk_hash == keys_a[0].chunk_hash
+
+
+@pytest.mark.parametrize("algo", ["vllm", "sha256", "builtin"])
+def test_peer_modes_refuse_an_identity_digest(algo):
+    with pytest.raises(ConfigError, match="byte for byte"):
+        LMCacheKeySettings(MODEL, hash_algo=algo, none_hash_seed="0", identity_digest="a" * 64)
+
+
+def test_connector_settings_carry_the_digest_in_blake3_mode_only():
+    from kvtool.engine.connectors.lmcache.settings import parse_settings
+
+    settings, key_settings = parse_settings({}, MODEL, "float32", 16, identity_digest="d" * 64)
+    assert key_settings.identity_digest == "d" * 64 and settings.verify_payload is True
+    settings, key_settings = parse_settings({"verify_payload": False}, MODEL, "float32", 16, identity_digest="d")
+    assert key_settings.identity_digest == "d" and settings.verify_payload is False
+    for algo in ("vllm", "builtin"):
+        extra = {"hash_algo": algo, "none_hash_seed": "0"}
+        settings, key_settings = parse_settings(extra, MODEL, "float32", 16, identity_digest="d")
+        assert key_settings.identity_digest is None and settings.verify_payload is False
+        settings, _ = parse_settings({**extra, "verify_payload": True}, MODEL, "float32", 16)
+        assert settings.verify_payload is True
+
+
 # ----------------------------------------------------------------------------- performance
 
 

@@ -2,7 +2,9 @@
 Redis Cluster or Valkey in LMCache's layouts (store.py picks one by `remote_url`).
 
 Keys are LMCache's own (ChunkedTokenDatabase rules, keys.py), so a Python vLLM + LMCache peer
-and kvtool find each other's chunks. Chunk bytes are KV_2LTD `[2, L, tokens, kv_heads*head_dim]`,
+and kvtool find each other's chunks; in kvtool's own blake3 mode they also carry the engine's
+identity digest (identity_digest.py), and each chunk a payload digest (payload_digest.py), so
+another checkpoint's chunks miss and changed bytes are refused. Chunk bytes are KV_2LTD `[2, L, tokens, kv_heads*head_dim]`,
 what LMCache inside vLLM writes. Under tensor parallelism each rank is one LMCache worker, as in
 a TP-N vLLM: its worker half stores and loads its own KV-head shard under its own key
 (`model@N@rank@hash@dtype`; world_size and worker_id come from the engine, never from the
@@ -35,6 +37,7 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.chunk_fit import chunk_geometry_of_pages, chunk_problem
+from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
 from kvtool.engine.connectors.lmcache.keys import (
     LMCacheKeySettings,
     check_request_tags,
@@ -484,6 +487,7 @@ class LMCacheConnector(KVConnector):
         settings, key_settings = parse_settings(
             dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype,
             identity.geometry.block_size, tp=TPRank(identity.tp_size, identity.tp_rank),
+            identity_digest=make_identity_digest(identity),
         )
         assert settings.host is not None and settings.port is not None
         return settings, key_settings

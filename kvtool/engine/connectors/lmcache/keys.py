@@ -23,13 +23,16 @@ starts at token 0 and carries a 64-bit int (the *fold*: the first 8 bytes of a d
 | `sha256`             | SHA-256 over pickle protocol 5 | fold(SHA-256(pickle(seed)))        |
 | `builtin`            | CPython 3.11 `hash()`, signed, | `hash(seed)` under PYTHONHASHSEED= |
 |                      | never folded                   | seed; 0 for a peer without vLLM    |
-| `blake3`             | BLAKE3 over canonical CBOR     | fold(BLAKE3(cbor(seed)))           |
+| `blake3`             | BLAKE3 over canonical CBOR     | fold(BLAKE3(cbor(seed))), or with  |
+|                      |                                | an identity digest d:              |
+|                      |                                | fold(BLAKE3(cbor((seed, d))))      |
 
 `seed` is `none_hash_seed` (the peer's `PYTHONHASHSEED`) when given, else `"vllm-none-hash"`
 (vLLM >= 0.29; a peer on vLLM <= 0.28 with `PYTHONHASHSEED` unset has a random chain start and
 cannot be matched). `blake3` is kvtool's own mode for when kvtool is the only writer: LMCache
 has no such function (its `blake3` name falls back to the builtin hash), so its keys never
-match a peer's. `sha256` reproduces CPython's pickle stream and so works only from CPython.
+match a peer's; the connector folds the writer's identity digest (identity_digest.py) into its
+chain start, so another checkpoint under the same model name has other keys. `sha256` reproduces CPython's pickle stream and so works only from CPython.
 """
 
 from __future__ import annotations
@@ -351,6 +354,9 @@ class LMCacheKeySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     save_unfull_chunk: bool = False  # also key a trailing partial chunk
     # False: LMCache runs without vLLM, so every name hashes with builtin hash() from 0.
     peer_has_vllm: bool = True
+    # blake3 mode only: the writer's make_identity_digest (identity_digest.py), folded into the
+    # chain start so that another checkpoint or config under the same model name misses.
+    identity_digest: str | None = None
 
     def __post_init__(self) -> None:
         algo = canonical_hash_algo(self.hash_algo)
@@ -363,6 +369,14 @@ class LMCacheKeySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
             )
         if self.chunk_tokens < 1:
             raise ConfigError(f"LMCache chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.identity_digest is not None:
+            if algo != "blake3":
+                raise ConfigError(
+                    f"identity_digest is for kvtool's own blake3 keys; hash_algo {self.hash_algo!r} "
+                    "keys must match the peer's byte for byte"
+                )
+            if not self.identity_digest:
+                raise ConfigError("identity_digest is empty")
         if not self.peer_has_vllm:
             if algo != "builtin":
                 raise ConfigError(
@@ -420,6 +434,8 @@ def make_none_hash_int(settings: LMCacheKeySettings) -> int:
     if algo == "sha256":
         return _fold(hashlib.sha256(pickle.dumps(seed, protocol=5)).digest())
     if algo == "blake3":
+        if settings.identity_digest is not None:
+            return _fold(blake3.blake3(_cbor((seed, settings.identity_digest))).digest())
         return _fold(blake3.blake3(_cbor(seed)).digest())
     if not settings.peer_has_vllm:
         return 0

@@ -1,7 +1,8 @@
 """`verify_payload`: a digest of each chunk's payload, stored beside it as an object of its own.
 
 LMCache's protocol has no payload checksum, so whoever can write to the store can change the KV
-a reader loads, and with it the reader's outputs. With `"verify_payload": true` the writer also
+a reader loads, and with it the reader's outputs. With `"verify_payload": true` (the default in
+kvtool's own blake3 key mode; the peer modes default to false) the writer also
 PUTs, under the chunk's key plus the tag `@kvtool-digest%b3`, a 32-byte object (announced as a
 [2, 1, 1, 16] uint8 KV_2LTD chunk): the blake3 digest of the chunk key and its payload bytes. LMCache's server stores it like any
 object, and LMCache's own clients never ask for it (their keys never carry that tag). A reader

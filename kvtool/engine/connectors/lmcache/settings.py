@@ -49,8 +49,9 @@ LMCACHE_KEYS: tuple[ExtraKey, ...] = (
              doc="how long a request waits for its lookup before it runs without the hit"),
     ExtraKey(name="peer_backoff_s", kind="float", default=10.0, low=0.0, high=3600.0,
              doc="after a missed deadline, how long the peer counts as unhealthy (calls fail fast)"),
-    ExtraKey(name="verify_payload", kind="bool", default=False,
-             doc="store a digest beside each chunk and refuse a chunk whose payload disagrees"),
+    ExtraKey(name="verify_payload", kind="bool",
+             doc="store a digest beside each chunk and refuse a chunk whose payload disagrees; "
+                 "default true in blake3 mode, false in the peer modes (vllm, builtin, sha256)"),
     ExtraKey(name="valkey_enable_ttl", kind="bool", default=False, doc="valkey:// only: write every key with an expiry"),
     ExtraKey(name="valkey_ttl_sec", kind="int", low=1, high=10 * 365 * 86400,
              doc="that expiry in seconds; default 86400, as LMCache's"),
@@ -76,7 +77,7 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: float = 10.0  # per whole operation
     lookup_timeout_s: float = 5.0  # a request runs without its hit once its lookup took this long
     peer_backoff_s: float = 10.0  # a peer that missed a deadline fails fast for this long
-    verify_payload: bool = False  # a digest object beside each chunk (payload_digest.py)
+    verify_payload: bool | None = None  # a digest object beside each chunk (payload_digest.py); None: on in blake3 mode
     valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
     valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
 
@@ -93,13 +94,17 @@ def check_host(host: str, where: str) -> str:
 
 
 def parse_settings(
-    extra: dict, model_name: str, kv_dtype: str, block_size: int, tp: TPRank | None = None
+    extra: dict, model_name: str, kv_dtype: str, block_size: int, tp: TPRank | None = None,
+    identity_digest: str | None = None,
 ) -> tuple[LMCacheSettings, LMCacheKeySettings]:
     """Decode and check the extra config; the settings and the key settings they imply.
 
     The key's world_size and worker_id are the engine's tensor-parallel size and rank `tp`, as
     LMCache takes them from vLLM's parallel config; an explicit value that disagrees is refused.
     With `tp` None (no engine yet: a config check) the explicit values, else 1 and 0, are used.
+    In blake3 mode the keys carry `identity_digest` (the engine's make_identity_digest) and
+    verify_payload defaults to true; the peer modes key exactly as the peer does, without it,
+    and default verify_payload to false. The returned settings' verify_payload is a bool.
 
     Raises ConfigError (one line naming the key) for an unknown key, a value outside its
     range, a bad remote_url or host, a chunk size that is not a multiple of the block size,
@@ -140,14 +145,17 @@ def parse_settings(
         hash_algo=algo,
         none_hash_seed=s.none_hash_seed,
         save_unfull_chunk=s.save_unfull_chunk,
+        identity_digest=identity_digest if algo == "blake3" else None,
     )
-    if s.verify_payload:
+    # kvtool is the only writer of blake3 keys, so nothing stops it checking every payload there.
+    verify_payload = s.verify_payload if s.verify_payload is not None else algo == "blake3"
+    if verify_payload:
         try:  # the digest's key is the chunk's with one more tag: the longest must still fit
             check_request_tags({DIGEST_TAG[0]: DIGEST_TAG[1]}, key_settings)
         except InputError as e:
             raise ConfigError(f"{where}: verify_payload: {e}") from None
     return (msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk, world_size=world_size,
-                                    worker_id=worker_id), key_settings)
+                                    worker_id=worker_id, verify_payload=verify_payload), key_settings)
 
 
 def _rank_of(s: LMCacheSettings, tp: TPRank | None, where: str) -> tuple[int, int]:
