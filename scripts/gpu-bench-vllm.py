@@ -44,8 +44,16 @@ LLM_DEFAULTS = {"load_format": "dummy", "dtype": "bfloat16", "skip_tokenizer_ini
                 "enforce_eager": False, "disable_log_stats": False, "gpu_memory_utilization": 0.85}
 
 
+T0 = time.perf_counter()
+
+
 def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
+
+
+def log(*a) -> None:
+    """Progress on stderr (the caller's log), so a stalled job shows where it stalled."""
+    print(f"[gpu-bench-vllm {time.perf_counter() - T0:7.1f}s]", *a, file=sys.stderr, flush=True)
 
 
 def sampling(max_tokens: int):
@@ -94,6 +102,7 @@ def job_batch(llm, job: dict) -> list[dict]:
         wall = time.perf_counter() - t0
         results.append({"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                         "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)})
+        log(f"{job['name']}: pass of {len(prompts)} prompts in {wall:.2f}s, {results[-1]['output_tokens']} tokens")
     return results
 
 
@@ -115,13 +124,16 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     args = dict(LLM_DEFAULTS, model=os.path.abspath(spec["model"]), **spec["llm"])
+    log("LLM(", args, ")")
     t0 = time.perf_counter()
     llm = LLM(**args)
     emit({"startup": {"vllm": vllm.__version__, "torch": torch.__version__,
                       "gpu": current_platform.get_device_name(), "startup_s": round(time.perf_counter() - t0, 2),
                       "llm": {k: v for k, v in args.items() if k != "model"}}})
     for job in spec["jobs"]:
+        log(f"job {job['name']}: {len(job['prompts'])} prompts")
         emit({"job": job["name"], "results": JOBS[job["job"]](llm, job)})
+        log(f"job {job['name']} done")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the engine's teardown is slow and measures nothing

@@ -59,6 +59,7 @@ QUICK = False
 ENGINES: tuple[str, ...] = ("kvtool",)
 VLLM_SITE: str | None = None
 VLLM_ARM = Path(__file__).resolve().parent / "gpu-bench-vllm.py"
+VLLM_TIMEOUT_S = 1200  # one vLLM process: start-up, compile, graphs and the section's requests
 
 # Floors: the ceilings measured on an H200 (HBM copy rate, host-to-device copy rate, bf16 matrix
 # rate); BENCHMARKS.md gives each figure's floor ratio.
@@ -169,13 +170,16 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
     try:
         with log_path.open("w") as log:
             proc = subprocess.run([sys.executable, str(VLLM_ARM), spec], stdout=subprocess.PIPE, stderr=log,
-                                  text=True, env=env)
+                                  stdin=subprocess.DEVNULL, text=True, env=env, timeout=VLLM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc = None
     finally:
         os.unlink(spec)
-    if proc.returncode != 0:
+    if proc is None or proc.returncode != 0:
         tail = log_path.read_text().splitlines()[-40:]
-        print("\n".join(tail), file=sys.stderr)
-        raise SystemExit(f"gpu-bench: vLLM's {section} arm ({preset}) exited {proc.returncode}; log {log_path}")
+        print("\n".join(line[:400] for line in tail), file=sys.stderr)
+        how = f"ran past {VLLM_TIMEOUT_S}s" if proc is None else f"exited {proc.returncode}"
+        raise SystemExit(f"gpu-bench: vLLM's {section} arm ({preset}) {how}; log {log_path}")
     startup, results = {}, {}
     for line in proc.stdout.splitlines():
         row = json.loads(line)
