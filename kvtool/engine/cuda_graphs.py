@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, all captured at start-up.
 
 A decode step is a few hundred small kernels; replaying them as one graph removes the host
-launch cost (about 20 us per eager op on the measured VM). Every graph reads one static int32
+launch cost (tens of microseconds per eager op on a VM). Every graph reads one static int32
 buffer, one row per sequence:
 
     static[row] = [token id, position, flat slot, context length, block table ...]

@@ -3,8 +3,8 @@
 A full hit loads a prompt's whole prefix and computes its last token through the prefill
 kernels, so that the row has the bits it has inside a whole-prompt prefill. Run eagerly, that
 one-token forward is about ten Triton launches per layer and costs the host more than the
-device (an 8B model: 15 to 42 ms of launches on H200 machines, beside 22 ms of copies for an 8k
-prefix; 10 to 14 ms with the graphs). Everything whose shapes are fixed for one row is replayed here from graphs captured at
+device (on an 8B model the launches took longer than an 8k prefix's copies; see the history of
+2026-12-04 in docs/benchmarks/). Everything whose shapes are fixed for one row is replayed here from graphs captured at
 start-up; per layer only the attention over the prefix stays eager, since its key count is the
 prompt's:
 

@@ -115,7 +115,7 @@ WIDE_OUTPUT = 32768
 
 def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, int]:
     """Tiles for a decode-sized product, from a sweep of the presets' decode shapes on an H200
-    (Qwen3-0.6B at 16-256 rows: 1.1-1.3x faster per projection than the row-count tiles)."""
+    (Qwen3-0.6B at 16-256 rows: faster per projection than the row-count tiles)."""
     if n >= WIDE_OUTPUT:
         if rows <= 32:
             return (16 if rows <= 16 else 32), 64, 128, 4, 3

@@ -3,8 +3,8 @@
 `F.linear` on CPU is MKL's sgemm, which packs its weight operand again on every call. A decode
 step is a few rows (padded to ROW_MULTIPLE), so that repacking and MKL's small-row kernels
 dominate it. oneDNN's matmul over a weight reordered into its blocked layout ahead of time does
-neither: on a 2-core AVX-512 guest the embedded model's projections and LM head took 30 ms per
-16-row step against MKL's 65 ms, and its prefill rows were 5 to 15% faster too.
+neither: on a 2-core AVX-512 guest the embedded model's projections and LM head took half
+MKL's time per 16-row step, and its prefill rows were faster too (docs/benchmarks/, 2026-12-05).
 
 `pack_cpu_linears(model)` moves every q/k/v, o_proj, gate/up, down_proj and LM head product of a
 CPU model (as `cpu_fused` set them up) onto such a weight and frees the dense matrix that only
