@@ -1,6 +1,7 @@
-"""GPU benchmarks of kvtool's CUDA paths, each figure with its floor (docs: performance.md 8-9, 14).
+"""GPU benchmarks of kvtool's CUDA paths, each figure with its floor and, where asked, vLLM beside it.
 
 Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [--quick]
+           [--engines kvtool,vllm] [--vllm-site DIR]
 
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
@@ -13,16 +14,28 @@ Sections:
   hit-layers  Qwen3-8B full hits at 8k/16k/24k/32k, whole-block loads against loads in groups of
               layers (pitched copies, the default) with the one-token step eager and from its
               graphs (the default), two alternating passes each: TTFT and the host time of the step
-  decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B
+  decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B (--quick: Qwen3-0.6B)
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
+              (the workload of `kvtool bench throughput`; --quick: 64 sequences)
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
               local in-memory server in a separate process (tests/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
               engine, no GPU copy)
 
-Every result is one JSON line in --out (metric, value, unit, floor, ratio, command details) and
-one row of the table printed at the end. Models are presets built from their configs with dummy
-(random) weights.
+Every result is one JSON line in --out (engine, metric, value, unit, floor, ratio, command
+details) and one row of the table printed at the end. Models are presets built from their configs
+with dummy (random) weights.
+
+Engines (--engines, default kvtool): `vllm` runs vLLM's offline API (`vllm.LLM`) in a process of
+its own per section and model (scripts/gpu-bench-vllm.py), on the same workload objects as
+kvtool's arm: the same prompt token ids, greedy, EOS ignored, the same output lengths, passed
+as JSON. It covers `prefill` (prefix caching off), `hit` (full hits from vLLM's
+OffloadingConnector CPU tier, 256-token offload blocks, the GPU prefix cache reset before each),
+`decode` (graphs on) and `throughput`. The vLLM site (an unpacked vLLM pack, put first on the
+child's PYTHONPATH) is --vllm-site or $KVTOOL_VLLM_SITE; without either the child imports the
+vLLM of the environment. Rows with the same `measure` are one figure of both engines, and the
+last table sets them side by side. vLLM's logs go to vllm-SECTION-MODEL.log beside --out (or in
+the temporary folder).
 """
 
 from __future__ import annotations
@@ -43,8 +56,13 @@ sys.path.insert(0, str(REPO))
 RESULTS: list[dict] = []
 OUT: Path | None = None
 QUICK = False
+ENGINES: tuple[str, ...] = ("kvtool",)
+VLLM_SITE: str | None = None
+VLLM_ARM = Path(__file__).resolve().parent / "gpu-bench-vllm.py"
+VLLM_TIMEOUT_S = 1200  # one vLLM process: start-up, compile, graphs and the section's requests
 
-# Floors (performance.md sections 2, 7, 8, 9, 14).
+# Floors: the ceilings measured on an H200 (HBM copy rate, host-to-device copy rate, bf16 matrix
+# rate); BENCHMARKS.md gives each figure's floor ratio.
 HBM_TBS = 4.1
 H2D_GBS = 55.0
 PEAK_TFLOPS = 790.0
@@ -52,8 +70,10 @@ PEAK_TFLOPS = 790.0
 LM_RUNS = 5
 
 
-def record(section: str, metric: str, value: float, unit: str, floor: float | None = None, **detail) -> None:
-    row = {"section": section, "metric": metric, "value": round(value, 4), "unit": unit}
+def record(section: str, metric: str, value: float, unit: str, floor: float | None = None, *,
+           engine: str = "kvtool", **detail) -> None:
+    """One result row; `measure` in detail names a figure that both engines' arms report."""
+    row = {"section": section, "engine": engine, "metric": metric, "value": round(value, 4), "unit": unit}
     if floor is not None:
         row["floor"] = round(floor, 4)
         # For times the ratio is measured / floor; for rates it is floor / measured (>= 1 is slower).
@@ -97,6 +117,86 @@ def sync():
     import torch
 
     torch.cuda.synchronize()
+
+
+# ---- workloads: one object per measure, run by kvtool's arm and sent to vLLM's as token ids ----
+
+WARM_PROMPT_SEED = 99
+
+
+def warm_prompt() -> list[int]:
+    return tokens(512, WARM_PROMPT_SEED)
+
+
+def prefill_workload(lengths) -> dict[int, list[list[int]]]:
+    """Cold prompts per length: the first of each is dropped from the median."""
+    return {n: [tokens(n, rep) for rep in range(4 if n < 32768 else 3)] for n in lengths}
+
+
+def hit_workload(lengths) -> dict[int, list[int]]:
+    """One prompt of n + 1 tokens per length: stored once, then n tokens come back from the tier."""
+    return {n: tokens(n + 1, 1000 + n) for n in lengths}
+
+
+DECODE_OUTPUT_TOKENS = 128
+
+
+def decode_workload() -> tuple[list[int], list[list[int]]]:
+    """Batch-1 decode: a warm-up prompt, then three 2k prompts, 128 output tokens each."""
+    return tokens(256, 1), [tokens(2048, rep + 2) for rep in range(3)]
+
+
+def throughput_workload(num_seqs: int):
+    """`kvtool bench throughput`'s workload (its defaults but the count) for Qwen3-0.6B."""
+    from kvtool.workloads.throughput import ThroughputSettings, make_workload
+
+    vocab_size = json.loads((Path(model_dir("qwen3-0.6b")) / "config.json").read_text())["vocab_size"]
+    return make_workload(ThroughputSettings(num_seqs=num_seqs), vocab_size)
+
+
+# ---- vLLM's arm -------------------------------------------------------------------------------
+
+
+def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[dict, dict[str, list[dict]]]:
+    """Runs scripts/gpu-bench-vllm.py on one spec; returns its startup line and each job's results."""
+    log_dir = OUT.parent if OUT is not None else Path(tempfile.gettempdir())
+    log_path = log_dir / f"vllm-{section}-{preset}.log"
+    env = dict(os.environ)
+    if VLLM_SITE:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (VLLM_SITE, env.get("PYTHONPATH")) if p)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": model_dir(preset), "llm": llm, "jobs": jobs}, f)
+        spec = f.name
+    try:
+        with log_path.open("w") as log:
+            proc = subprocess.run([sys.executable, str(VLLM_ARM), spec], stdout=subprocess.PIPE, stderr=log,
+                                  stdin=subprocess.DEVNULL, text=True, env=env, timeout=VLLM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc = None
+    finally:
+        os.unlink(spec)
+    if proc is None or proc.returncode != 0:
+        tail = log_path.read_text().splitlines()[-40:]
+        print("\n".join(line[:400] for line in tail), file=sys.stderr)
+        how = f"ran past {VLLM_TIMEOUT_S}s" if proc is None else f"exited {proc.returncode}"
+        raise SystemExit(f"gpu-bench: vLLM's {section} arm ({preset}) {how}; log {log_path}")
+    startup, results = {}, {}
+    for line in proc.stdout.splitlines():
+        row = json.loads(line)
+        if "startup" in row:
+            startup = row["startup"]
+        else:
+            results[row["job"]] = row["results"]
+    print(json.dumps({"vllm_startup": {"section": section, "preset": preset, **startup}}), flush=True)
+    return startup, results
+
+
+def vllm_engine(startup: dict) -> str:
+    return f"vllm {startup.get('vllm', '?')}"
+
+
+def requests_job(name: str, prompts: list[list[int]], max_tokens: int, **kw) -> dict:
+    return {"name": name, "job": "requests", "prompts": prompts, "max_tokens": max_tokens, **kw}
 
 
 # ---- env ----------------------------------------------------------------------------------------
@@ -190,15 +290,40 @@ def prefill_floor_ms(n: int) -> float:
     return (QWEN3_8B_FLOP_PER_TOKEN * n + QWEN3_8B_ATTN_COEF * n * n) / (PEAK_TFLOPS * 1e12) * 1e3
 
 
+def prefill_metric(n: int) -> str:
+    return f"Qwen3-8B cold prefill TTFT {n // 1024}k"
+
+
 def section_prefill():
+    lengths = (8192,) if QUICK else (2048, 8192, 32768)
+    work = prefill_workload(lengths)
+    if "kvtool" in ENGINES:
+        kvtool_prefill(work)
+    if "vllm" in ENGINES:
+        vllm_prefill(work)
+
+
+def vllm_prefill(work: dict[int, list[list[int]]]) -> None:
+    jobs = [requests_job("warm", [warm_prompt()], 1)]
+    jobs += [requests_job(str(n), prompts, 1) for n, prompts in work.items()]
+    startup, results = run_vllm("prefill", "qwen3-8b", {"enable_prefix_caching": False, "max_num_batched_tokens": 32768,
+                                                        "max_model_len": 40960, "max_num_seqs": 8}, jobs)
+    for n in work:
+        ms = [(r["ttft_s"] or r["wall_s"]) * 1e3 for r in results[str(n)]]
+        record("prefill", prefill_metric(n), statistics.median(ms[1:]), "ms", prefill_floor_ms(n),
+               engine=vllm_engine(startup), measure=f"cold prefill {n // 1024}k",
+               runs_ms=[round(t, 2) for t in ms])
+
+
+def kvtool_prefill(work: dict[int, list[list[int]]]) -> None:
     from kvtool.engine.params import SamplingParams
 
-    lengths = (8192,) if QUICK else (2048, 8192, 32768)
+    lengths = tuple(work)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     hf_ms = hf_prefill(lengths)
     engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768,
                          num_gpu_blocks=2200, max_model_len=40960)
-    engine.generate([tokens(512, 99)], one)  # warm-up: Triton compiles, cuBLAS handles
+    engine.generate([warm_prompt()], one)  # warm-up: Triton compiles, cuBLAS handles
     # The last layer for the sampled row alone (the default) against every row, alternating on
     # one engine; both must give the same token (tests/cuda compare the bits).
     runner = engine.runner
@@ -206,25 +331,27 @@ def section_prefill():
     arms = {"": default, ", last layer for every row": False} if default else {"": False}
     for n in lengths:
         times: dict[str, list[float]] = {arm: [] for arm in arms}
-        for rep in range(4 if n < 32768 else 3):
+        for rep, prompt in enumerate(work[n]):
             outputs = []
             for arm, rows_only in arms.items():
                 runner.sampled_rows_only = rows_only
-                r = engine.generate([tokens(n, rep)], one)[0]
+                r = engine.generate([prompt], one)[0]
                 times[arm].append(r.stats.ttft_s * 1e3)
                 outputs.append(r.output_token_ids)
             assert outputs[0] == outputs[-1], (n, rep)
         for arm in arms:
             ms = statistics.median(times[arm][1:])
-            record("prefill", f"Qwen3-8B cold prefill TTFT {n // 1024}k{arm}", ms, "ms", prefill_floor_ms(n),
+            measure = {"measure": f"cold prefill {n // 1024}k"} if arms[arm] == default else {}
+            record("prefill", f"{prefill_metric(n)}{arm}", ms, "ms", prefill_floor_ms(n),
                    runs_ms=[round(t, 2) for t in times[arm]], hf_ms=hf_ms.get(n),
-                   beats_hf=bool(hf_ms.get(n) and ms < hf_ms[n]))
+                   beats_hf=bool(hf_ms.get(n) and ms < hf_ms[n]), **measure)
     runner.sampled_rows_only = default
     engine.close()
 
 
 def hf_prefill(lengths) -> dict[int, float]:
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(model_dir("qwen3-8b"))
@@ -243,6 +370,7 @@ def hf_prefill(lengths) -> dict[int, float]:
                 times.append((time.perf_counter() - t0) * 1e3)
             out[n] = round(statistics.median(times[1:]), 2)
             record("prefill", f"HF transformers prefill {n // 1024}k (Qwen3-8B, sdpa)", out[n], "ms", prefill_floor_ms(n),
+                   engine=f"transformers {transformers.__version__}", measure=f"cold prefill {n // 1024}k",
                    runs_ms=[round(t, 2) for t in times])
     del model
     torch.cuda.empty_cache()
@@ -261,22 +389,64 @@ def offload_ktc(cpu_bytes: int):
     }))
 
 
+HIT_CPU_BYTES = int(6.5 * 2**30)
+HIT_REPEATS = 4  # full hits per length; the first is dropped from the median
+
+
+def hit_metric(n: int) -> str:
+    return f"Qwen3-8B full-prefix CPU-tier hit TTFT {n // 1024}k"
+
+
+def hit_floor_ms(n: int) -> float:
+    kv_per_token = 147456
+    return n * kv_per_token / (H2D_GBS * 1e9) * 1e3 + 3.7
+
+
 def section_hit():
+    work = hit_workload((8192,) if QUICK else (2048, 8192, 32768))
+    if "kvtool" in ENGINES:
+        kvtool_hit(work)
+    if "vllm" in ENGINES:
+        vllm_hit(work)
+
+
+def vllm_hit(work: dict[int, list[int]]) -> None:
+    """vLLM's OffloadingConnector to CPU with 256-token offload blocks: each prompt computed and
+    stored once, then sent again after `reset_prefix_cache()` so its n-token prefix comes back
+    from the CPU tier."""
+    ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": HIT_CPU_BYTES, "block_size": 256}}
+    jobs = [requests_job("warm", [warm_prompt()], 1)]
+    for n, p in work.items():
+        jobs.append(requests_job(f"{n} store", [p], 1))
+        jobs.append(requests_job(f"{n} hit", [p] * HIT_REPEATS, 1, reset_prefix_cache=True, sleep_s=1.0))
+    startup, results = run_vllm("hit", "qwen3-8b", {"enable_prefix_caching": True, "max_num_batched_tokens": 32768,
+                                                    "max_model_len": 40960, "max_num_seqs": 8,
+                                                    "kv_transfer_config": ktc}, jobs)
+    for n in work:
+        hits = results[f"{n} hit"]
+        ms = [(r["ttft_s"] or r["wall_s"]) * 1e3 for r in hits]
+        cached = [r["num_cached_tokens"] for r in hits]
+        same = all(r["output_token_ids"] == results[f"{n} store"][0]["output_token_ids"] for r in hits)
+        record("hit", hit_metric(n), statistics.median(ms[1:]), "ms", hit_floor_ms(n), engine=vllm_engine(startup),
+               measure=f"cpu-tier full hit {n // 1024}k", runs_ms=[round(t, 2) for t in ms], num_cached_tokens=cached,
+               all_hit=all(c is not None and c >= n for c in cached), same_token_as_cold=same,
+               cold_store_ms=round((results[f"{n} store"][0]["ttft_s"] or 0) * 1e3, 2))
+
+
+def kvtool_hit(work: dict[int, list[int]]) -> None:
     from kvtool.engine.params import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    lengths = (8192,) if QUICK else (2048, 8192, 32768)
-    kv_per_token = 147456
     engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768, num_gpu_blocks=2200,
-                         max_model_len=40960, kv_transfer_config=offload_ktc(int(6.5 * 2**30)))
+                         max_model_len=40960, kv_transfer_config=offload_ktc(HIT_CPU_BYTES))
     worker = engine.worker_connector
-    engine.generate([tokens(512, 99)], one)
-    for n in lengths:
-        p = tokens(n + 1, 1000 + n)  # n tokens in whole 256-token chunks are hits; 1 is computed
+    engine.generate([warm_prompt()], one)
+    for n, p in work.items():  # n tokens in whole 256-token chunks are hits; 1 is computed
         engine.generate([p], one)
         engine.flush_connector()
         ttfts, rates = [], []
-        for _ in range(4):
+        for _ in range(HIT_REPEATS):
             before = engine.stats()
             b_bytes, b_s = before.bytes_loaded, before.load_s
             r = engine.generate([p], one)[0]
@@ -284,9 +454,8 @@ def section_hit():
             assert r.stats.num_external_loaded_tokens == n, r.stats
             ttfts.append(r.stats.ttft_s * 1e3)
             rates.append((after.bytes_loaded - b_bytes) / (after.load_s - b_s) / 1e9)
-        floor = n * kv_per_token / (H2D_GBS * 1e9) * 1e3 + 3.7
-        record("hit", f"Qwen3-8B full-prefix CPU-tier hit TTFT {n // 1024}k", statistics.median(ttfts[1:]), "ms", floor,
-               runs_ms=[round(t, 2) for t in ttfts])
+        record("hit", hit_metric(n), statistics.median(ttfts[1:]), "ms", hit_floor_ms(n),
+               measure=f"cpu-tier full hit {n // 1024}k", runs_ms=[round(t, 2) for t in ttfts])
         record("hit", f"H2D rate during CPU-tier load {n // 1024}k", statistics.median(rates[1:]), "GB/s", H2D_GBS,
                runs=[round(x, 1) for x in rates])
     # Partial hits: the first half from the tier, the second half computed; `layerwise` off and on
@@ -387,56 +556,125 @@ def section_hit_layers():
 # ---- decode -------------------------------------------------------------------------------------
 
 
+DECODE_GOAL_MS = {"qwen3-8b": 6.0, "qwen3-0.6b": 2.0}
+
+
+def decode_floor_ms(preset: str) -> float:
+    """The weights read once per token at the HBM rate."""
+    return {"qwen3-8b": 15.14e9, "qwen3-0.6b": 1.19e9}[preset] / (HBM_TBS * 1e12) * 1e3
+
+
 def section_decode():
+    warm, prompts = decode_workload()
+    for preset in (("qwen3-0.6b",) if QUICK else ("qwen3-8b", "qwen3-0.6b")):
+        if "kvtool" in ENGINES:
+            kvtool_decode(preset, warm, prompts)
+        if "vllm" in ENGINES:
+            vllm_decode(preset, warm, prompts)
+
+
+def vllm_decode(preset: str, warm: list[int], prompts: list[list[int]]) -> None:
+    jobs = [requests_job("warm", [warm], DECODE_OUTPUT_TOKENS), requests_job("timed", prompts, DECODE_OUTPUT_TOKENS)]
+    startup, results = run_vllm("decode", preset, {"enable_prefix_caching": False, "max_model_len": 8192,
+                                                   "max_num_seqs": 8}, jobs)
+    tpots = [r["tpot_s"] * 1e3 if r["tpot_s"] else (r["wall_s"] - (r["ttft_s"] or 0)) / (r["output_tokens"] - 1) * 1e3
+             for r in results["timed"]]
+    record("decode", f"{preset} TPOT batch 1 (2k context), graphs=True", statistics.median(tpots), "ms",
+           decode_floor_ms(preset), engine=vllm_engine(startup), measure=f"{preset} TPOT batch 1",
+           goal_ms=DECODE_GOAL_MS[preset], runs_ms=[round(t, 3) for t in tpots],
+           output_tokens=[r["output_tokens"] for r in results["timed"]])
+
+
+def default_batch_invariant() -> bool:
+    import msgspec
+
+    from kvtool.engine.params import EngineParams
+
+    return next(f.default for f in msgspec.structs.fields(EngineParams) if f.name == "batch_invariant")
+
+
+def kvtool_decode(preset: str, warm: list[int], prompts: list[list[int]]) -> None:
     from kvtool.engine.params import SamplingParams
 
-    for preset, goal in (("qwen3-8b", 6.0), ("qwen3-0.6b", 2.0)):
-        sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-        for graphs, async_scheduling, invariant in ((True, True, False), (True, True, True), (True, False, False),
-                                                    (False, True, False)):
-            engine = make_engine(preset, num_gpu_blocks=600, max_model_len=8192, enforce_eager=not graphs,
-                                 async_scheduling=async_scheduling, batch_invariant=invariant)
-            engine.generate([tokens(256, 1)], sp)
-            tpots = []
-            for rep in range(3):
-                r = engine.generate([tokens(2048, rep + 2)], sp)[0]
-                tpots.append(r.stats.decode_s / (len(r.output_token_ids) - 1) * 1e3)
-            floor = {"qwen3-8b": 15.14e9, "qwen3-0.6b": 1.19e9}[preset] / (HBM_TBS * 1e12) * 1e3
-            record("decode", f"{preset} TPOT batch 1 (2k context), graphs={graphs}, async={async_scheduling}, "
-                   f"batch_invariant={invariant}",
-                   statistics.median(tpots), "ms", floor, goal_ms=goal, runs_ms=[round(t, 3) for t in tpots])
-            if graphs and async_scheduling and not invariant:
-                import torch
+    default_invariant = default_batch_invariant()
+    sp = SamplingParams(max_tokens=DECODE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    for graphs, async_scheduling, invariant in ((True, True, False), (True, True, True), (True, False, False),
+                                                (False, True, False)):
+        engine = make_engine(preset, num_gpu_blocks=600, max_model_len=8192, enforce_eager=not graphs,
+                             async_scheduling=async_scheduling, batch_invariant=invariant)
+        engine.generate([warm], sp)
+        tpots = []
+        for prompt in prompts:
+            r = engine.generate([prompt], sp)[0]
+            tpots.append(r.stats.decode_s / (len(r.output_token_ids) - 1) * 1e3)
+        floor = decode_floor_ms(preset)
+        default = graphs and async_scheduling and invariant == default_invariant
+        record("decode", f"{preset} TPOT batch 1 (2k context), graphs={graphs}, async={async_scheduling}, "
+               f"batch_invariant={invariant}",
+               statistics.median(tpots), "ms", floor, goal_ms=DECODE_GOAL_MS[preset],
+               runs_ms=[round(t, 3) for t in tpots],
+               **({"measure": f"{preset} TPOT batch 1"} if default else {}))
+        if graphs and async_scheduling and not invariant:
+            import torch
 
-                g = engine.runner.graphs.graphs[1]
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(50):
-                    g.replay()
-                end.record()
-                sync()
-                record("decode", f"{preset} graph replay alone, batch 1 (GPU time of one decode step)",
-                       start.elapsed_time(end) / 50, "ms", floor)
-            engine.close()
+            g = engine.runner.graphs.graphs[1]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                g.replay()
+            end.record()
+            sync()
+            record("decode", f"{preset} graph replay alone, batch 1 (GPU time of one decode step)",
+                   start.elapsed_time(end) / 50, "ms", floor)
+        engine.close()
 
 
 # ---- throughput ---------------------------------------------------------------------------------
 
 
+THROUGHPUT_PASSES = 2  # timed passes after one warm-up pass; the faster counts
+
+
+def throughput_metric(n: int) -> str:
+    return f"Qwen3-0.6B offline throughput, {n} seqs in/out U[100,1024]"
+
+
 def section_throughput():
+    seqs = throughput_workload(64 if QUICK else 256)
+    prompts = [s.prompt_token_ids for s in seqs]
+    outs = [s.output_len for s in seqs]
+    if "kvtool" in ENGINES:
+        kvtool_throughput(prompts, outs)
+    if "vllm" in ENGINES:
+        vllm_throughput(prompts, outs)
+
+
+def vllm_throughput(prompts: list[list[int]], outs: list[int]) -> None:
+    job = {"name": "passes", "job": "batch", "prompts": prompts, "max_tokens": outs, "passes": 1 + THROUGHPUT_PASSES}
+    startup, results = run_vllm("throughput", "qwen3-0.6b", {"enable_prefix_caching": False, "max_model_len": 4096,
+                                                             "max_num_seqs": 256, "max_num_batched_tokens": 16384},
+                                [job])
+    timed = results["passes"][1:]
+    best = min(timed, key=lambda r: r["wall_s"])
+    n = len(prompts)
+    record("throughput", throughput_metric(n), best["output_tokens"] / best["wall_s"], "tok/s", None,
+           engine=vllm_engine(startup), measure=f"qwen3-0.6b throughput {n} seqs", output_tokens=best["output_tokens"],
+           input_tokens=sum(map(len, prompts)), wall_s=round(best["wall_s"], 3),
+           walls_s=[round(r["wall_s"], 3) for r in timed], warmup_s=round(results["passes"][0]["wall_s"], 3),
+           num_cached_prompt_tokens=best["num_cached_tokens"])
+
+
+def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
     import gc
-    import random
 
     import torch
 
     from kvtool.engine.params import SamplingParams
 
-    rng = random.Random(0)
-    n = 64 if QUICK else 256
-    ins = [rng.randint(100, 1024) for _ in range(n)]
-    outs = [rng.randint(100, 1024) for _ in range(n)]
-    prompts = [[rng.randrange(1000, 150000) for _ in range(k)] for k in ins]
+    n = len(prompts)
+    ins = [len(p) for p in prompts]
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+    default_invariant = default_batch_invariant()
     for async_scheduling, invariant in ((True, False), (True, True), (False, False)):
         engine = make_engine("qwen3-0.6b", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
                              enable_prefix_caching=False, async_scheduling=async_scheduling,
@@ -444,17 +682,18 @@ def section_throughput():
         engine.generate(prompts[:], [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs])
         sync()
         walls = []
-        for _ in range(2):
+        for _ in range(THROUGHPUT_PASSES):
             t0 = time.perf_counter()
             results = engine.generate(prompts, sps)
             walls.append(time.perf_counter() - t0)
         wall = min(walls)
         total_out = sum(len(r.output_token_ids) for r in results)
-        record("throughput", f"Qwen3-0.6B offline throughput, {n} seqs in/out U[100,1024], async={async_scheduling}, "
-               f"batch_invariant={invariant}",
+        default = async_scheduling and invariant == default_invariant
+        record("throughput", f"{throughput_metric(n)}, async={async_scheduling}, batch_invariant={invariant}",
                total_out / wall, "tok/s", None, goal=25000, output_tokens=total_out, input_tokens=sum(ins),
                wall_s=round(wall, 3), walls_s=[round(w, 3) for w in walls],
-               graphs_replayed=sorted(engine.runner.graphs.replays))
+               graphs_replayed=sorted(engine.runner.graphs.replays),
+               **({"measure": f"qwen3-0.6b throughput {n} seqs"} if default else {}))
         engine.close()
         # The next arm's engine sizes its KV pages from free memory: drop this one's first.
         del engine, results
@@ -593,8 +832,29 @@ SECTIONS = {
 }
 
 
+VLLM_SECTIONS = ("prefill", "hit", "decode", "throughput")
+
+
+def side_by_side(rows: list[dict]) -> list[str]:
+    """Table lines of each `measure` both kvtool and a baseline reported in this run: the baseline's
+    time over kvtool's (or kvtool's rate over the baseline's), so > 1 means kvtool is faster."""
+    by_measure: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        if "measure" in r:
+            by_measure.setdefault(r["measure"], {})[r["engine"]] = r
+    lines = []
+    for measure, engines in by_measure.items():
+        ours = engines.get("kvtool")
+        for engine, r in engines.items():
+            if engine == "kvtool" or ours is None or not r["value"] or not ours["value"]:
+                continue
+            speed = r["value"] / ours["value"] if r["unit"] in ("ms", "s") else ours["value"] / r["value"]
+            lines.append(f"| {measure} | {ours['value']} | {engine} | {r['value']} | {r['unit']} | {speed:.3f} |")
+    return lines
+
+
 def main() -> None:
-    global OUT, QUICK
+    global OUT, QUICK, ENGINES, VLLM_SITE
     if len(sys.argv) == 7 and sys.argv[1] == "--read-lm":
         read_lm(*map(int, sys.argv[2:]))
         return
@@ -602,18 +862,38 @@ def main() -> None:
     ap.add_argument("sections", nargs="+", choices=list(SECTIONS))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--engines", default="kvtool",
+                    help="comma-separated arms: kvtool, vllm (vllm runs in prefill, hit, decode and throughput)")
+    ap.add_argument("--vllm-site", metavar="DIR", default=os.environ.get("KVTOOL_VLLM_SITE"),
+                    help="an unpacked vLLM site folder, put first on the vLLM arm's PYTHONPATH "
+                         "(default: $KVTOOL_VLLM_SITE; unset: the environment's own vLLM)")
     a = ap.parse_args()
-    OUT, QUICK = a.out, a.quick
+    engines = tuple(e.strip() for e in a.engines.split(",") if e.strip())
+    if not engines or set(engines) - {"kvtool", "vllm"}:
+        ap.error(f"--engines takes kvtool and/or vllm, got {a.engines!r}")
+    if a.vllm_site and not (Path(a.vllm_site) / "vllm").is_dir():
+        ap.error(f"--vllm-site {a.vllm_site}: no vllm package in it")
+    if "vllm" in engines and not set(a.sections) & set(VLLM_SECTIONS):
+        ap.error(f"the vllm arm runs in {', '.join(VLLM_SECTIONS)} only")
+    OUT, QUICK, ENGINES = a.out, a.quick, engines
+    if OUT is not None:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+    VLLM_SITE = str(Path(a.vllm_site).resolve()) if a.vllm_site else None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in a.sections:
         t0 = time.perf_counter()
         SECTIONS[name]()
         print(f"# section {name}: {time.perf_counter() - t0:.1f}s", flush=True)
-    print("\n| section | metric | value | unit | floor | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("\n| section | engine | metric | value | unit | floor | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for r in RESULTS:
-        print(f"| {r['section']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('floor', '')} | "
+        print(f"| {r['section']} | {r['engine']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('floor', '')} | "
               f"{r.get('ratio_to_floor', '')} |")
+    lines = side_by_side(RESULTS)
+    if lines:
+        print("\n| measure | kvtool | baseline | baseline's value | unit | kvtool speed / baseline's |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

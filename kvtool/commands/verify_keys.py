@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the probe needs torch, which only --peer should import
 # The hash modes a user picks from; LMCache's name for each that it has.
 CLI_HASH_ALGOS = ("vllm", "builtin", "blake3")
 _LMCACHE_HASH_ALGO = {"vllm": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256", "builtin": "builtin"}
-# Importing LMCache and vLLM takes 10-60 s on a small busy machine; the hashing itself is fast.
+# Importing LMCache and vLLM can take tens of seconds on a small busy machine; the hashing is fast.
 PEER_TIMEOUT_S = 600.0
 MAX_PEER_PROCESSES = 4  # at once; each holds torch, LMCache and vLLM (about 0.5 GB)
 # A GET reads a whole chunk (the protocol has no header-only read) into one buffer of

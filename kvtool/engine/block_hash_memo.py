@@ -2,7 +2,7 @@
 new blocks.
 
 A prompt's block hashes chain through SHA-256 over every full block (`hashing`): 2,048 links for
-32k tokens, 3 to 10 ms of host time before the scheduler can even look the prompt up, on the
+32k tokens, milliseconds of host time before the scheduler can even look the prompt up, on the
 path of every request. The prompts that KV reuse is for repeat: the same document asked again,
 the next turn of a chat that carries the last one, a long shared system prompt. This memo keeps
 the last few prompts' token ids (as one uint32 array each) and hashes. A new prompt is compared

@@ -103,7 +103,7 @@ _U32 = next(code for code in "IL" if array.array(code).itemsize == 4)  # array t
 
 def uint32_ids(token_ids: Sequence[int]) -> np.ndarray | None:
     """The ids as one uint32 array, or None when one is not an int in [0, 2**32) (never a real
-    vocabulary's). Through a C array of unsigned 32-bit ints: twice as fast as np.asarray."""
+    vocabulary's). Through a C array of unsigned 32-bit ints, which is faster than np.asarray."""
     try:
         return np.frombuffer(array.array(_U32, token_ids), dtype=np.uint32)
     except (OverflowError, TypeError):

@@ -51,8 +51,8 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # No CUDA graphs: every decode step runs eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
     # CUDA: a request's tokens and logprobs do not depend on what it is batched with (row-invariant
-    # GEMMs and fixed-tile decode attention in every step). On by default: it costs 9% of offline
-    # throughput on an H200 (BENCHMARKS.md); False keeps cuBLAS, the GEMV and batch-sized decode
+    # GEMMs and fixed-tile decode attention in every step). On by default; its cost in offline
+    # throughput is in BENCHMARKS.md. False keeps cuBLAS, the GEMV and batch-sized decode
     # splits. The CPU path is batch-invariant always.
     batch_invariant: bool = True
     # "auto": picked from data (device, dtype, head_dim, Triton); "reference": the torch SDPA path.

@@ -2,9 +2,9 @@
 
 The CUDA steps copy their packed inputs to the device once each (`runner.pack_step`), and the
 CPU tier's loads their destination indices (`SlotTransfers`). Pinning a fresh host array for
-every copy goes through the pinned-memory allocator, whose cost varies with what it holds (on an
-H200 machine 1.3 to 8.3 ms of host time for a 32k full hit's 132 KB of step inputs, all of it
-before the first load is queued). Two grow-only buffers serve the copies in turn; a buffer is
+every copy goes through the pinned-memory allocator, whose cost varies with what it holds (up to
+milliseconds of host time for a 32k full hit's step inputs, all of it before the first load is
+queued). Two grow-only buffers serve the copies in turn; a buffer is
 refilled only once the copy out of it, two copies earlier, is done, so a copy queued before the
 previous one ran (async scheduling) never overwrites data still to be copied.
 """

@@ -17,7 +17,7 @@ from kvtool.engine.errors import ConfigError, PeerError
 from kvtool.peer.env import peer_env, peer_script
 
 _LMCACHE_HASH_ALGO = {"vllm": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256", "builtin": "builtin"}
-# Importing LMCache and vLLM takes 10-60 s on a small busy machine; the hashing itself is fast.
+# Importing LMCache and vLLM can take tens of seconds on a small busy machine; the hashing is fast.
 PEER_TIMEOUT_S = 600.0
 MAX_PEER_PROCESSES = 4  # at once; each holds torch, LMCache and vLLM (about 0.5 GB)
 

@@ -1,5 +1,5 @@
-"""Every JSON snippet in README.md and examples/ is a document vLLM's flags read: JSON, once
-vLLM's expansion of bare sizes (`8G`) has run; it pastes into vLLM and into kvtool."""
+"""Every JSON snippet in README.md, BENCHMARKS.md and examples/ is a document vLLM's flags read:
+JSON, once vLLM's expansion of bare sizes (`8G`) has run; it pastes into vLLM and into kvtool."""
 
 import json
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 from kvtool.engine.sizes import expand_json_human_readable_numbers
 from tests.conftest import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "examples").rglob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "examples").rglob("*.md"))]
 # A shell-quoted document ('{...}' or 'NAME={...}'), or an inline code span holding an object.
 _QUOTED = re.compile(r"'(?:[\w-]+=)?(\{.*?\})'", re.S)
 _INLINE = re.compile(r"`(\{\".*?\})`")

@@ -1,4 +1,4 @@
-"""Block hashes against vLLM 0.33's own values (vllm-kv-transfer.md section 8.7)."""
+"""Block hashes against vLLM 0.33's own values (its `vllm/v1/core/kv_cache_utils.py`)."""
 
 from kvtool.engine.hashing import block_extra_keys, extend_block_hashes, hash_block_tokens, make_none_hash
 

@@ -1,4 +1,4 @@
-"""lm:// headers byte for byte (docs/lmcache-interop.md 1, 7.1, 7.4, 7.5) and reply checks, no server."""
+"""lm:// headers byte for byte, as LMCache's `lmcache/v1/protocol.py` packs them; reply checks."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ would leave K_{j+2} no time: it is needed right after P_j V_j is done). The two 
 separate warpgroups; with PINGPONG they take turns to issue their products (one pair of mbarriers
 passes the turn): consumer 1 issues its S_j = Q K_j^T and O += P_{j-1} V_{j-1} right after
 consumer 0 has issued its own. On an H200 the turns bought nothing the warp scheduler does not
-already get from two independent warpgroups (Qwen3-8B cold 32k: 1258.7 ms with them, 1250.7
-without), so they are off; the bits are the same either way. Within a consumer, the softmax of S_j
+already get from two independent warpgroups (Qwen3-8B cold 32k was no faster with them), so they
+are off; the bits are the same either way. Within a consumer, the softmax of S_j
 runs while its own P_{j-1} V_{j-1} does: O is rescaled by tile j-1's factor while S_j runs, before
 P_{j-1} V_{j-1} is added (the order of `acc = dot(p, v, acc * alpha)`), and the wait for that
 product comes after the softmax. ptxas (CUDA 12.8) schedules such a wait right after the one for

@@ -9,8 +9,8 @@ on a grid fixed at position 0, with an online softmax in float32. A row therefor
 tiles in the same order whichever rows share its program, and the tiles past its own position
 (reached because a later row of its block needs them) are masked to exact zeros. BLOCK_N is the
 one constant that fixes the rounding (`key_tile`, by head size); BLOCK_M and the number of rows
-per call do not. On an H200 it runs causal Qwen3-8B heads at 469 TFLOP/s for 8k tokens (cuDNN:
-522) and 496 for 32k (cuDNN: 579).
+per call do not. On an H200 it runs causal Qwen3-8B heads somewhat slower than cuDNN's SDPA
+(`scripts/gpu-bench.py kernels` measures both).
 
 Sequences are packed varlen style: q [T, Hq, D] with cu_q, keys [sum ctx, Hkv, D] with cu_k;
 a sequence's query rows are the last q_len positions of its ctx_len keys (bottom-right causal).
@@ -20,7 +20,7 @@ moves them into shared memory while the warps compute); elsewhere through pointe
 give the same bits. A descriptor's tile may run past a sequence's keys into the next one's (or
 into zeros past the tensor): those keys are past every row's position, so they are masked to
 exact zeros as any key past a row is. With descriptors the one row of a full hit over 32k keys
-takes 0.30 ms instead of 0.58 on an H200 (the whole causal prefill about the same).
+takes about half the time it takes without on an H200 (the whole causal prefill about the same).
 
 On Hopper itself, for 16-bit heads of 64 or 128, `prefill.prefill_attention` runs
 `hopper_prefill` instead: the same row contract in a warp-specialized Gluon kernel.

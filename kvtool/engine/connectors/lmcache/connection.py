@@ -23,10 +23,10 @@ import time
 from kvtool.engine.connectors.lmcache.protocol import RESPONSE, Buffer, Reply, unpack_reply
 
 # Payloads are read in pieces of at least this many bytes (SO_RCVLOWAT, lowered for a payload's
-# last piece): fewer wake-ups, polls and recv calls per payload. On the H200 host, GETs of 37 MB
-# chunks into the pages, A/B runs alternating on one engine: over one connection 2 MiB read 6-7%
-# faster than any amount (8 MiB slower than either); over four, 12.5-12.8 GB/s against 9.8 for
-# any amount and 10.7-11.0 for one blocking recv(MSG_WAITALL) per payload; 1 MiB 12.0, 4 MiB 12.7.
+# last piece): fewer wake-ups, polls and recv calls per payload. On an H200 host, GETs of 37 MB
+# chunks into the pages, A/B runs alternating on one engine: 2 MiB read faster than any amount,
+# than 1 or 8 MiB, and (over four connections) than one blocking recv(MSG_WAITALL) per payload;
+# 4 MiB about the same (docs/benchmarks/, 2026-12-04).
 RCVLOWAT_BYTES = 0 if sys.platform == "win32" else 2 << 20  # 0: any amount
 QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 

@@ -311,8 +311,8 @@ class LMCacheWorker(WorkerHalf):
     def _ensure_pool(self, n: int) -> None:
         """Host buffers [2, L, chunk_tokens, H*D] for n chunks, allocated once and reused.
 
-        Pinned on CUDA engines, so GETs land where the copy engine reads; pinning costs about
-        0.6 s per GiB, which must not be paid per load.
+        Pinned on CUDA engines, so GETs land where the copy engine reads; pinning is slow (it
+        grows with the size), which must not be paid per load.
         """
         g = self.geometry
         while len(self._pool) < n:

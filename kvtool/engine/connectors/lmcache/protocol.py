@@ -1,4 +1,4 @@
-"""LMCache's lm:// TCP protocol, byte for byte (docs/lmcache-interop.md 1-3): headers and checks.
+"""LMCache's lm:// TCP protocol byte for byte (as its `lmcache/v1/protocol.py`): headers and checks.
 
 One request is a 186-byte header (`<9i150s`: command, length, fmt, dtype, location, shape[4], key
 right-padded with ASCII spaces), followed by `length` payload bytes for a PUT. One reply is a

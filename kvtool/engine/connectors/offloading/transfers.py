@@ -27,8 +27,8 @@ transfer per group of `layers_per_copy` consecutive layers and run of consecutiv
 the group's pieces of a block, contiguous on both sides, its rows), staged and scattered like
 whole blocks when the destinations are scattered; the forward's layer l waits for its group
 alone, so its kernels run while later groups are still on the way. Groups keep each row at
-LOAD_ROW_BYTES or more: rows of a single layer's piece (32 KB on Qwen3-8B) move about 10% slower
-than whole blocks. Where the driver's pitched copy is not available, and for layerwise saves, a
+LOAD_ROW_BYTES or more: rows of a single layer's piece (32 KB on Qwen3-8B) move slower than
+whole blocks. Where the driver's pitched copy is not available, and for layerwise saves, a
 Triton kernel reads or writes the pieces straight in the pinned pool (mapped into the device's
 address space), one launch per layer; it runs on the SMs, beside the forward. A layerwise save of
 layer l waits for the compute stream right after layer l wrote its K/V, so the copies run beside
@@ -51,8 +51,8 @@ from kvtool.engine.pinned_staging import PinnedStaging
 
 STAGING_BYTES = 64 << 20  # one of two device staging buffers for loads into scattered blocks
 # Layerwise loads copy rows of at least this many bytes (whole layers' pieces of a block): on an
-# H200, full hits of Qwen3-8B (32 KB pieces) took 26.2 / 102.9 ms at 8k / 32k tokens with rows of
-# 3 layers, 29.2 / 117.4 with 1, 29.3 / 103.3 with 6 and 29.8 / 104.7 with 9 (BENCHMARKS.md).
+# H200, full hits of Qwen3-8B (32 KB pieces) were fastest at 8k and 32k tokens with rows of 3
+# layers, against 1, 6 and 9 (docs/benchmarks/, 2026-12-04).
 LOAD_ROW_BYTES = 96 << 10
 
 
