@@ -40,8 +40,8 @@ def test_forged_chunk_is_refused_with_verify_payload(make_engine, lmcache_server
     ref = make_engine().generate([p], GREEDY)[0]
     writer = make_engine(kv_transfer_config=lm_config(lmcache_server, verify_payload=True))
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
-    keys = [k.key for k in make_chunk_keys(p, writer.scheduler_connector.key_settings)]
+    writer.executor.worker.connector.flush()
+    keys = [k.key for k in make_chunk_keys(p, writer.scheduler.connector.key_settings)]
     first = keys[0]
     with LMClient(lmcache_server.host, lmcache_server.port, connections=1) as client:
         assert client.exist_many(keys + [digest_key(k) for k in keys]) == [True] * (2 * len(keys))
@@ -82,7 +82,7 @@ def test_chunk_without_its_digest_is_refused(make_engine, lmcache_server):
     p = prompt(48, seed=43)
     plain = make_engine(kv_transfer_config=lm_config(lmcache_server))  # stores no digests
     plain.generate([p], GREEDY)
-    plain.worker_connector.flush()
+    plain.executor.worker.connector.flush()
     reader = make_engine(kv_transfer_config=lm_config(lmcache_server, verify_payload=True))
     r = reader.generate([p], GREEDY)[0]
     assert r.finish_reason == "error" and "has no payload digest" in r.error
