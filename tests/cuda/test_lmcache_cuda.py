@@ -69,7 +69,7 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
             assert first.stats.num_external_loaded_tokens == 4 * CHUNK
             # The prefix cache holds head's whole blocks, which end inside chunk 4: that chunk is
             # loaded past them, and chunks 5 to 21 whole.
-            local = len(head) // reader.kv_pages.geometry.block_size * reader.kv_pages.geometry.block_size
+            local = len(head) // reader.executor.worker.kv_pages.geometry.block_size * reader.executor.worker.kv_pages.geometry.block_size
             assert local % CHUNK
             second = reader.generate([full], sp)[0]
             assert second.stats.num_external_loaded_tokens == 22 * CHUNK - local

@@ -102,7 +102,7 @@ def test_valkey_layout_is_one_bare_key_with_the_ttl(make_engine, redis_server):
     fill(make_engine, url, [p], valkey_enable_ttl=True, valkey_ttl_sec=600)
     (key,) = chunk_keys(p)
     db = plain_client(redis_server)
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     assert len(db.get(key)) == 4 * 2 * g.num_layers * 256 * g.num_kv_heads * g.head_dim
     assert db.get(key + "metadata") is None and db.get(key + "kv_bytes") is None
     assert 0 < db.ttl(key) <= 600
@@ -446,7 +446,7 @@ def test_a_partial_chunk_keeps_its_own_shape(make_engine, redis_server):
     url = f"redis://{HOST}:{redis_server.port}/5"
     p = prompt(300, 46)
     fill(make_engine, url, [p], save_unfull_chunk=True)
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     hidden = g.num_kv_heads * g.head_dim
     keys = [c.key for c in make_chunk_keys(p, LMCacheKeySettings(model_name=MODEL_NAME, kv_dtype="float",
                                                                   chunk_tokens=256, save_unfull_chunk=True))]
