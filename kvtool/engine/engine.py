@@ -21,9 +21,10 @@ from kvtool.engine.hashing import make_none_hash, uint32_ids
 from kvtool.engine.identity import engine_identity, resolve_device, resolve_dtype
 from kvtool.engine.kv_cache_size import num_kv_blocks
 from kvtool.engine.messages import KVConnectorOutput
-from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, RequestStats
+from kvtool.engine.output_processor import OutputProcessor
+from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.engine.request import Request, RequestStatus
+from kvtool.engine.request import Request
 from kvtool.engine.scheduler import Scheduler
 from kvtool.engine.structured_output import StructuredOutputs
 
@@ -106,12 +107,12 @@ class LLMEngine:
             if self.scheduler is not None and self.scheduler.connector is not None:
                 self.scheduler.connector.shutdown()
             raise
+        self.output_processor = OutputProcessor(self.tokenizer, self.structured, self.scheduler)
         self.async_scheduling = (
             params.async_scheduling if params.async_scheduling is not None else self.device.type == "cuda"
         )
         # Under async scheduling: the step the device is running (its message and its pending result).
         self._in_flight = None
-        self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # Seeds for requests that bring none: reproducible from --seed, independent of batching.
         self._seeds = torch.Generator().manual_seed(params.seed)
@@ -135,6 +136,7 @@ class LLMEngine:
             none_hash=self.none_hash,
             connector=scheduler_half,
             kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
+            structured_outputs=self.structured,
         )
 
     def _open_kv_events(self):
@@ -194,7 +196,7 @@ class LLMEngine:
                 "or lower max_tokens"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._requests:
+        if rid in self.scheduler.requests:
             raise InputError(f"request id {rid!r} is already in use")
         largest = sampling.largest_token_id()
         if largest >= vocab:
@@ -218,7 +220,6 @@ class LLMEngine:
             self.scheduler.connector.check_request(req)
         if sampling.structured_outputs is not None:
             self.structured.add(rid, sampling.structured_outputs)
-        self._requests[rid] = req
         self.scheduler.add_request(req)
         return rid
 
@@ -234,13 +235,6 @@ class LLMEngine:
         if so.is_empty and self.scheduler.num_lookups_pending and not self.scheduler.failed_outputs:
             # Every waiting request waits for an asynchronous connector lookup: nothing to run yet.
             time.sleep(LOOKUP_POLL_S)
-        if self.structured:
-            # The grammar's allowed ids for each sample of this step (the engine owns the grammars;
-            # a request with one is never scheduled before its previous sample is back).
-            so.allowed_token_bitmasks = {
-                s.request_id: self.structured.bitmask(s.request_id)
-                for s in so.scheduled if s.sample and s.request_id in self.structured
-            }
         return so
 
     def step(self) -> list[RequestOutput]:
@@ -263,84 +257,24 @@ class LLMEngine:
         return self._after_step(self.scheduler.update_from_output(so, pending.result()))
 
     def _after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self.structured:
-            for out in outputs:
-                if out.request_id in self.structured:
-                    self.structured.advance(out.request_id, out.new_token_ids)
-        now = time.perf_counter()
-        for out in outputs:
-            req = self._requests[out.request_id]
-            if out.new_token_ids and req.first_token_time is None:
-                req.first_token_time = now
-            if not req.is_finished and req.sampling.stop and self._hit_stop_string(req):
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, req.stop_reason)
-                out.finished = True
-                out.finish_reason = "stop"
-                out.stop_reason = req.stop_reason
-                out.kv_transfer_params = req.kv_transfer_params or None
-            if req.is_finished and req.finish_time is None:
-                req.finish_time = now
+        outputs = self.output_processor.process(outputs)
         if self.kv_events is not None:
-            self.kv_events.drain(self._requests.values())
+            self.kv_events.drain(self.scheduler.requests.values())
         return outputs
 
     def is_finished(self, request_id: str) -> bool:
         """True once the request has ended (or is unknown to the engine)."""
-        req = self._requests.get(request_id)
+        req = self.scheduler.requests.get(request_id)
         return req is None or req.is_finished
 
-    def _hit_stop_string(self, req: Request) -> bool:
-        # A stop string ends in the newest tokens: decode a tail long enough to hold the longest
-        # one (a token is at least one byte, a character at most four), not the whole output.
-        window = 4 * max(len(s) for s in req.sampling.stop) + 1
-        text = self.tokenizer.decode(req.output_token_ids[-window:])
-        for stop in req.sampling.stop:
-            if stop and stop in text:
-                req.stop_reason = stop
-                return True
-        return False
-
     def output_text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_token_ids)
-        if isinstance(req.stop_reason, str) and req.stop_reason in text:
-            text = text[: text.index(req.stop_reason)]
-        return text
+        return self.output_processor.output_text(req)
 
     def pop_result(self, request_id: str) -> RequestResult:
         """The result of a finished request (which the engine then forgets)."""
-        req = self._requests.pop(request_id)
+        req = self.scheduler.pop_request(request_id)
         self.structured.remove(request_id)
-        return self._result(req)
-
-    def _result(self, req: Request) -> RequestResult:
-        ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
-        decode = req.finish_time - req.first_token_time if req.finish_time and req.first_token_time else None
-        scheduled = req.first_scheduled_time
-        queue_s = scheduled - req.arrival_time if scheduled is not None else None
-        prefill_s = req.first_token_time - scheduled if scheduled is not None and req.first_token_time else None
-        return RequestResult(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            text=self.output_text(req),
-            finish_reason=req.status.value if req.is_finished else "running",
-            error=req.error,
-            logprobs=req.logprobs or None,
-            stop_reason=req.stop_reason,
-            kv_transfer_params=req.kv_transfer_params or None,
-            stats=RequestStats(
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens or 0,
-                num_external_tokens=req.num_external_tokens,
-                num_external_loaded_tokens=req.num_external_loaded_tokens,
-                num_external_stored_tokens=req.num_external_stored_tokens,
-                num_preemptions=req.num_preemptions,
-                ttft_s=ttft,
-                decode_s=decode,
-                queue_s=queue_s,
-                prefill_s=prefill_s,
-            ),
-        )
+        return self.output_processor.result(req)
 
     def generate(
         self,
@@ -398,7 +332,7 @@ class LLMEngine:
                 self.flush_connector()  # an idle engine's last stores land and unpin their slots now
             ok = self.scheduler.connector.reset_cache() and ok
         if self.kv_events is not None:
-            self.kv_events.drain(self._requests.values())
+            self.kv_events.drain(self.scheduler.requests.values())
         return ok
 
     def check_integrity(self) -> None:
@@ -421,7 +355,7 @@ class LLMEngine:
                 if self.executor.failure is None:  # a broken rank group runs nothing
                     pending.result()
             if self.kv_events is not None:
-                self.kv_events.drain(self._requests.values())
+                self.kv_events.drain(self.scheduler.requests.values())
                 self.kv_events.close()
         finally:
             # The worker halves write their pending stores as they stop; a broken group is killed.

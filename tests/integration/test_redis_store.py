@@ -247,7 +247,7 @@ def test_cluster_master_killed_mid_run(make_engine, own_redis_cluster, policy):
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     half = engine.scheduler.connector
     deadline = time.monotonic() + 30
-    while any(half.get_num_new_matched_tokens(engine._requests[i], 0)[0] is None for i in ids):
+    while any(half.get_num_new_matched_tokens(engine.scheduler.requests[i], 0)[0] is None for i in ids):
         assert time.monotonic() < deadline, "lookups did not answer"
         time.sleep(0.01)
     while engine.has_unfinished_requests():
