@@ -267,9 +267,6 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         return req is None or req.is_finished
 
-    def output_text(self, req: Request) -> str:
-        return self.output_processor.output_text(req)
-
     def pop_result(self, request_id: str) -> RequestResult:
         """The result of a finished request (which the engine then forgets)."""
         req = self.scheduler.pop_request(request_id)
