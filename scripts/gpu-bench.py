@@ -326,7 +326,7 @@ def kvtool_prefill(work: dict[int, list[list[int]]]) -> None:
     engine.generate([warm_prompt()], one)  # warm-up: Triton compiles, cuBLAS handles
     # The last layer for the sampled row alone (the default) against every row, alternating on
     # one engine; both must give the same token (tests/cuda compare the bits).
-    runner = engine.runner
+    runner = engine.executor.worker.runner
     default = runner.sampled_rows_only
     arms = {"": default, ", last layer for every row": False} if default else {"": False}
     for n in lengths:
@@ -440,7 +440,7 @@ def kvtool_hit(work: dict[int, list[int]]) -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768, num_gpu_blocks=2200,
                          max_model_len=40960, kv_transfer_config=offload_ktc(HIT_CPU_BYTES))
-    worker = engine.worker_connector
+    worker = engine.executor.worker.connector
     engine.generate([warm_prompt()], one)
     for n, p in work.items():  # n tokens in whole 256-token chunks are hits; 1 is computed
         engine.generate([p], one)
@@ -511,7 +511,7 @@ def section_hit_layers():
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine = make_engine("qwen3-8b", enable_prefix_caching=False, max_num_batched_tokens=32768, num_gpu_blocks=2200,
                          max_model_len=40960, kv_transfer_config=offload_ktc(int(6.5 * 2**30)))
-    worker, runner = engine.worker_connector, engine.runner
+    worker, runner = engine.executor.worker.connector, engine.executor.worker.runner
     forward = runner._run_cuda
     host_ms: list[float] = []
     group_min = worker_module.LAYER_GROUP_LOAD_MIN_BLOCKS
@@ -617,7 +617,7 @@ def kvtool_decode(preset: str, warm: list[int], prompts: list[list[int]]) -> Non
         if graphs and async_scheduling and not invariant:
             import torch
 
-            g = engine.runner.graphs.graphs[1]
+            g = engine.executor.worker.runner.graphs.graphs[1]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(50):
@@ -692,7 +692,7 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
         record("throughput", f"{throughput_metric(n)}, async={async_scheduling}, batch_invariant={invariant}",
                total_out / wall, "tok/s", None, goal=25000, output_tokens=total_out, input_tokens=sum(ins),
                wall_s=round(wall, 3), walls_s=[round(w, 3) for w in walls],
-               graphs_replayed=sorted(engine.runner.graphs.replays),
+               graphs_replayed=sorted(engine.executor.worker.runner.graphs.replays),
                **({"measure": f"qwen3-0.6b throughput {n} seqs"} if default else {}))
         engine.close()
         # The next arm's engine sizes its KV pages from free memory: drop this one's first.
@@ -804,7 +804,7 @@ def section_lm():
                                  num_gpu_blocks=1200, max_model_len=40960, kv_transfer_config=ktc)
             p = tokens(n + 1, 77)
             engine.generate([p], one)
-            engine.worker_connector.flush()
+            engine.executor.worker.connector.flush()
             # A warm-up run, then the median of LM_RUNS: one run of a loaded socket path varies.
             rates, ttfts = [], []
             for _ in range(1 + LM_RUNS):

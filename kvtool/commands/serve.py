@@ -101,7 +101,7 @@ def serve(
     sock = _bind(host, port)
     try:
         with open_engine(engine) as llm:
-            from kvtool.engine.engine import DEFAULT_MODEL_NAME
+            from kvtool.engine.default_model import DEFAULT_MODEL_NAME
 
             model = engine.model if engine.model is not None else DEFAULT_MODEL_NAME
             settings = ServerSettings(

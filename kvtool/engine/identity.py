@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import msgspec
 import torch
 
 from kvtool.engine.connectors.base import EngineIdentity
@@ -17,7 +16,6 @@ from kvtool.engine.errors import ConfigError
 from kvtool.engine.hashing import resolve_none_hash_seed
 from kvtool.engine.kv_pages import DTYPE_NAMES, DTYPES, KVGeometry
 from kvtool.engine.params import EngineParams
-from kvtool.engine.tp_layout import TPRank, kv_head_range
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,10 +75,3 @@ def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:
     model_dir = open_model_dir(model_path)
     device = resolve_device(params.device)
     return engine_identity(params, model_dir, resolve_dtype(params.dtype, device), device.type)
-
-
-def rank_identity(identity: EngineIdentity, tp: TPRank) -> EngineIdentity:
-    """The identity of one tensor-parallel rank: tp_size / tp_rank set, and the geometry of the
-    KV heads that rank holds. The scheduler half gets rank 0's."""
-    geometry = msgspec.structs.replace(identity.geometry, num_kv_heads=kv_head_range(identity.geometry.num_kv_heads, tp)[1])
-    return msgspec.structs.replace(identity, tp_size=tp.size, tp_rank=tp.rank, geometry=geometry)

@@ -7,6 +7,11 @@ rest. When blocks run out, the most recently admitted running request is preempt
 recomputed. The scheduler never touches a tensor, and it is the only reader of
 `kv_load_failure_policy`.
 
+It holds the engine's one request registry (`requests`: every request from `add_request` until
+the engine takes its result with `pop_request`, finished ones included), and, as vLLM's
+scheduler does, computes the structured-output bitmasks of the step's samples while it builds
+the step's message (the grammars themselves are advanced by the output processor).
+
 What it tells the runner is a `SchedulerOutput` message: a request the runner does not know yet
 (first admission, or again after a preemption) in full, every scheduled request as the tokens of
 the step plus the blocks added to its table since the last message. Nothing in it is shared with
@@ -33,6 +38,7 @@ from kvtool.engine.messages import (
 )
 from kvtool.engine.outputs import EngineStats, RequestOutput
 from kvtool.engine.request import Request, RequestStatus
+from kvtool.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,7 @@ class Scheduler:
         none_hash: bytes,
         connector: SchedulerHalf | None = None,
         kv_load_failure_policy: str = "fail",
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,12 +63,14 @@ class Scheduler:
         self.none_hash = none_hash
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.structured_outputs = structured_outputs
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         # Block hashes are needed for the prefix cache and for connectors' keys (None: no hashes).
         needs_block_hashes = enable_prefix_caching or connector is not None
         self.hash_memo = BlockHashMemo(block_size, none_hash) if needs_block_hashes else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Every request from add_request until pop_request, finished ones included.
         self.requests: dict[str, Request] = {}
         self.num_cached_blocks: dict[str, int] = {}
         # request id -> how many of its block ids the runner was told (present while the runner knows it).
@@ -89,6 +98,10 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats.num_requests += 1
+
+    def pop_request(self, request_id: str) -> Request:
+        """Forget a request (the engine took its result); KeyError for an unknown id."""
+        return self.requests.pop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -181,6 +194,7 @@ class Scheduler:
             scheduled=scheduled,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_between_steps + preempted,
+            allowed_token_bitmasks=self._grammar_bitmasks(scheduled),
         )
         self.num_steps_scheduled += 1
         self.preempted_between_steps = []
@@ -191,6 +205,14 @@ class Scheduler:
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
         return out
+
+    def _grammar_bitmasks(self, scheduled: list[ScheduledRequest]) -> dict:
+        """The grammar's allowed ids for each sample of this step (a request with a grammar is
+        never scheduled before its previous sample is back, so its grammar is up to date)."""
+        so = self.structured_outputs
+        if not so:
+            return {}
+        return {s.request_id: so.bitmask(s.request_id) for s in scheduled if s.sample and s.request_id in so}
 
     def _fail_inside_schedule(self, req: Request, error: Exception) -> None:
         """End one request whose connector calls raised while it was being admitted."""
@@ -405,12 +427,12 @@ class Scheduler:
         for rid, n in st.tokens_loaded.items():
             self.stats.external_tokens_loaded += n
             req = self.requests.get(rid)
-            if req is not None:
+            if req is not None and not req.is_finished:
                 req.num_external_loaded_tokens += n
         for rid, n in st.tokens_stored.items():
             self.stats.external_tokens_stored += n
             req = self.requests.get(rid)
-            if req is not None:
+            if req is not None and not req.is_finished:
                 req.num_external_stored_tokens += n
         if self.connector is not None:
             self.connector.update_connector_output(out)
@@ -438,7 +460,6 @@ class Scheduler:
         self.num_cached_blocks.pop(req.request_id, None)
         if self.num_sent_blocks.pop(req.request_id, None) is not None:
             self.finished_req_ids.append(req.request_id)
-        del self.requests[req.request_id]
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

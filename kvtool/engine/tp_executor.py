@@ -1,8 +1,7 @@
-"""The engine's side of tensor parallelism: N worker processes (tp_worker.py), one rank each,
-driven like the in-process ModelRunner.
+"""The engine's side of tensor parallelism: N worker processes (tp_worker.py), one rank each.
 
-`TPExecutor` has the runner's interface (execute, execute_async(...).result(), request_ids), so
-the engine steps it exactly as it steps a ModelRunner. Every step's SchedulerOutput is pickled
+`MultiprocExecutor` is the Executor (executor.py) of a tensor-parallel size N > 1: the engine
+drives it exactly as it drives the in-process one. Every step's SchedulerOutput is pickled
 once and sent to every rank (a multiprocessing Pipe each); every rank runs the step and samples
 from the full logits, so the ranks' batch state stays identical; rank 0's samples come back,
 and the ranks' connector outputs are merged (tp_output.py).
@@ -58,7 +57,7 @@ def _describe_exit(exitcode: int | None) -> str:
 class _PendingStep:
     """A step sent to the workers; result() waits for every rank's reply to it."""
 
-    def __init__(self, executor: TPExecutor, ticket: int) -> None:
+    def __init__(self, executor: MultiprocExecutor, ticket: int) -> None:
         self._executor = executor
         self._ticket = ticket
         self._output: ModelRunnerOutput | None = None
@@ -70,8 +69,8 @@ class _PendingStep:
         return self._output
 
 
-class TPExecutor:
-    """N ranks in N processes, presented as one ModelRunner."""
+class MultiprocExecutor:
+    """N ranks in N processes, each a Worker (worker.py) behind a pipe."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         """Start one process per spec (rank order) and wait until each has built its model.
@@ -101,8 +100,7 @@ class TPExecutor:
                 theirs.close()
                 self.conns.append(ours)
                 self.processes.append(proc)
-            start = self._expect_all()
-            self.memory_info = self._wait(start, starting=True)
+            self._wait(self._expect_all(), starting=True)
         except BaseException as e:
             if self._failure is None:  # interrupted: nothing to save, stop them at once
                 self._failure = WorkerError(f"tensor-parallel start-up interrupted: {type(e).__name__}")
@@ -119,11 +117,15 @@ class TPExecutor:
         """The workers' process ids, rank order."""
         return [p.pid for p in self.processes]
 
+    # ---- the Executor interface ---------------------------------------------------------------
+
+    def determine_available_memory(self) -> list[int]:
+        """Bytes each rank's KV pages may take, rank order."""
+        return self._wait(self._send(("available_memory",)), starting=True)
+
     def init_cache(self, num_blocks: int) -> None:
         """Have every rank allocate its KV pages (num_blocks each) and build its runner."""
         self._wait(self._send(("init_cache", num_blocks)), starting=True)
-
-    # ---- the ModelRunner interface ------------------------------------------------------------
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank and wait for it."""
@@ -291,9 +293,10 @@ class TPExecutor:
             conn.close()
 
 
-def start_tp_executor(params, model_path, device, dtype, max_model_len: int, identity, none_hash: bytes) -> TPExecutor:
-    """Start params.tensor_parallel_size ranks for an engine (see LLMEngine) and wait until each
-    has built its model; raises their start-up errors as one line."""
+def start_multiproc_executor(params, model_path, device, dtype, max_model_len: int, identity,
+                             none_hash: bytes) -> MultiprocExecutor:
+    """Start params.tensor_parallel_size ranks for an engine (see executor.build_executor) and
+    wait until each has built its model; raises their start-up errors as one line."""
     from kvtool.engine.kv_pages import DTYPE_NAMES
 
     size = params.tensor_parallel_size
@@ -304,4 +307,4 @@ def start_tp_executor(params, model_path, device, dtype, max_model_len: int, ide
                    identity=identity, none_hash=none_hash, parent_pid=os.getpid())
         for rank in range(size)
     ]
-    return TPExecutor(specs)
+    return MultiprocExecutor(specs)

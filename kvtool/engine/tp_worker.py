@@ -1,15 +1,16 @@
-"""One tensor-parallel rank in its own process: its shard of the model, its KV pages, its
-connector worker half and a ModelRunner, driven by the engine's per-step messages.
+"""One tensor-parallel rank in its own process: a Worker (worker.py: its shard of the model, its
+KV pages, its connector worker half and a ModelRunner), driven by the engine's per-step messages.
 
 The engine process (tp_executor.py) starts it with multiprocessing's 'spawn' and talks to it
 over one Pipe. Every message gets exactly one reply, in order:
 
     engine                               worker
     (start)                    ──>       torch.distributed init, build the rank's model
-                               <──       ("ok", (free, total) device bytes on CUDA, else None)
+                               <──       ("ok", None)
+    ("available_memory",)      ──>       bytes the rank's KV pages may take
     ("init_cache", num_blocks) ──>       KV pages, connector worker half, ModelRunner
                                <──       ("ok", None)
-    ("step", SchedulerOutput)  ──>       runner.execute_async(...)
+    ("step", SchedulerOutput)  ──>       worker.execute_async(...)
                                <──       ("ok", ModelRunnerOutput)   rank 0: sampled tokens too
     ("flush", take)            ──>       worker half flush (+ take_completions when `take`)
     ("request_ids",)           ──>       the runner's request ids
@@ -64,11 +65,11 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     _die_with_parent(spec.parent_pid, f"kvtool-tp-rank{spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        worker = _Worker(conn, spec)
+        rank = _RankProcess(conn, spec)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         _reply_error(conn, e)
         return
-    worker.serve()
+    rank.serve()
 
 
 def _die_with_parent(parent_pid: int, name: str) -> None:
@@ -93,22 +94,27 @@ def _reply_error(conn: Connection, e: BaseException) -> None:
         pass
 
 
-class _Worker:
+class _RankProcess:
+    """The process side of one rank: the process group, and the rank's Worker (worker.py)."""
+
     def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
         import torch
 
+        from kvtool.engine.kv_pages import DTYPES
+        from kvtool.engine.model_dir import open_model_dir
+        from kvtool.engine.tp_layout import TPRank
+        from kvtool.engine.worker import build_worker
+
         self.conn = conn
         self.spec = spec
-        self.runner = None
-        self.connector = None
-        self.kv_pages = None
         if "OMP_NUM_THREADS" not in os.environ:
             # The ranks share the machine's cores (on CPU they do all the work).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp_size))
-        self.device = self._init_distributed()
-        self._build_model()
-        free_total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
-        conn.send(("ok", free_total))
+        device = self._init_distributed()
+        self.worker = build_worker(spec.params, open_model_dir(spec.model_path), device, DTYPES[spec.dtype_name],
+                                   TPRank(spec.tp_size, spec.rank), spec.max_model_len, spec.identity,
+                                   spec.none_hash)
+        conn.send(("ok", None))
 
     def _init_distributed(self):
         import torch
@@ -131,50 +137,6 @@ class _Worker:
         dist.all_reduce(torch.zeros(1, device=device))
         return device
 
-    def _build_model(self) -> None:
-        import torch
-
-        from kvtool.engine.kv_pages import DTYPES
-        from kvtool.engine.model_dir import open_model_dir
-        from kvtool.engine.models import build_model
-        from kvtool.engine.tp_layout import TPRank
-
-        spec, p = self.spec, self.spec.params
-        self.model_dir = open_model_dir(spec.model_path)
-        self.dtype = DTYPES[spec.dtype_name]
-        torch.manual_seed(p.seed)
-        tp = TPRank(spec.tp_size, spec.rank)
-        self.model = build_model(self.model_dir, self.device, self.dtype, p.load_format, p.seed, tp=tp)
-
-    def _init_cache(self, num_blocks: int) -> None:
-        from kvtool.engine.connectors.base import ConnectorContext
-        from kvtool.engine.connectors.registry import resolve_connector
-        from kvtool.engine.identity import rank_identity
-        from kvtool.engine.kv_pages import DTYPE_NAMES, KVGeometry, KVPages
-        from kvtool.engine.models.fast_paths import apply_fast_paths
-        from kvtool.engine.runner import ModelRunner
-        from kvtool.engine.tp_layout import TPRank, kv_head_range
-
-        spec, p = self.spec, self.spec.params
-        cfg = self.model_dir.config
-        tp = TPRank(spec.tp_size, spec.rank)
-        num_kv_heads = kv_head_range(cfg.num_kv_heads, tp)[1]
-        geometry = KVGeometry(num_layers=cfg.num_layers, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
-                              block_size=p.block_size, dtype=DTYPE_NAMES[self.dtype])
-        self.kv_pages = KVPages(geometry, num_blocks, self.device)
-        ktc = p.kv_transfer_config
-        if spec.identity is not None and ktc is not None and ktc.kv_connector is not None:
-            ctx = ConnectorContext(config=ktc, identity=rank_identity(spec.identity, tp),
-                                   none_hash=spec.none_hash)
-            self.connector = resolve_connector(ktc).create_worker_half(ctx)
-        # After the KV pages are sized and allocated, as the single-process runner applies them.
-        fast_paths = apply_fast_paths(self.model, self.device, self.dtype, backend=p.attention_backend)
-        self.runner = ModelRunner(
-            self.model, self.kv_pages, self.device, self.connector, max_model_len=spec.max_model_len,
-            use_cuda_graphs=not p.enforce_eager, backend=p.attention_backend,
-            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs, fast_paths=fast_paths,
-        )
-
     def _recv(self):
         """The next message, or None once the engine has closed its end."""
         try:
@@ -193,22 +155,20 @@ class _Worker:
                     return
                 kind = message[0]
                 if kind == "step":
-                    out = self.runner.execute_async(message[1])
+                    out = self.worker.execute_async(message[1])
                     if self.spec.rank == 0:
                         reply = out.result()
                     else:  # only rank 0's samples are used; every rank's connector output is
                         reply = ModelRunnerOutput(connector_output=out.connector_output)
+                elif kind == "available_memory":
+                    reply = self.worker.determine_available_memory()
                 elif kind == "init_cache":
-                    self._init_cache(message[1])
+                    self.worker.init_cache(message[1])
                     reply = None
                 elif kind == "flush":
-                    reply = None
-                    if self.connector is not None:
-                        self.connector.flush()
-                        if message[1]:
-                            reply = self.connector.take_completions()
+                    reply = self.worker.flush_connector(message[1])
                 elif kind == "request_ids":
-                    reply = self.runner.request_ids
+                    reply = self.worker.request_ids
                 elif kind == "shutdown":
                     self._shutdown()
                     self.conn.send(("ok", None))
@@ -222,7 +182,6 @@ class _Worker:
     def _shutdown(self) -> None:
         import torch.distributed as dist
 
-        if self.connector is not None:
-            self.connector.shutdown()
+        self.worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -57,7 +57,7 @@ def create_app(
     """
     engine_loop = EngineLoop(engine)
     metrics = ServerMetrics(settings.served_model_names[0], engine_loop.stats, engine_loop.queue_counts,
-                            max_model_len=engine_loop.max_model_len, has_connector=engine.scheduler_connector is not None)
+                            max_model_len=engine_loop.max_model_len, has_connector=engine.scheduler.connector is not None)
     engine_loop.on_finished = metrics.observe_finished
     engine_loop.on_token_gap = metrics.observe_token_gap
     ctx = ServerContext(engine_loop, tokenizer if tokenizer is not None else engine.tokenizer, settings)

@@ -217,7 +217,6 @@ class EngineLoop:
         self._deadline: float | None = None  # loop thread only
         self._thread: threading.Thread | None = None
         self._stats = msgspec.structs.replace(engine.stats())
-        self._num_in_flight = 0
         self._queues = (0, 0)  # (running, waiting) as of the end of the last step
         self.error: str | None = None
         self._fresh: list[str] = []  # loop thread: requests added since the last good step
@@ -268,10 +267,6 @@ class EngineLoop:
     def queue_counts(self) -> tuple[int, int]:
         """(running, waiting) requests as of the end of the last step (safe from any thread)."""
         return self._queues
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_in_flight
 
     @property
     def is_running(self) -> bool:
@@ -350,7 +345,6 @@ class EngineLoop:
     def _fail_request(self, request_id: str, message: str) -> None:
         """End one request with a 500 (Failed) and free what the engine holds for it."""
         t = self._tracked.pop(request_id, None)
-        self._num_in_flight = len(self._tracked)
         try:
             self._engine.abort_request(request_id)
             self._engine.pop_result(request_id)
@@ -419,7 +413,6 @@ class EngineLoop:
             return
         self._fresh.append(job.request_id)
         self._tracked[job.request_id] = _Tracked(job, cmd.sink)
-        self._num_in_flight = len(self._tracked)
         cmd.sink.put(Accepted())
 
     def _release(self, leader_id: str) -> None:
@@ -467,7 +460,6 @@ class EngineLoop:
 
     def _finish(self, request_id: str) -> None:
         t = self._tracked.pop(request_id)
-        self._num_in_flight = len(self._tracked)
         result = self._engine.pop_result(request_id)
         if self.on_finished is not None:
             try:
@@ -506,7 +498,6 @@ class EngineLoop:
             t = self._tracked.pop(request_id, None)
             if t is not None:
                 t.sink.put(self._failed())
-        self._num_in_flight = 0
         for cmds in self._parked.values():
             for cmd in cmds:
                 cmd.sink.put(self._failed())

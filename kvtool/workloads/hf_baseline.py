@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from kvtool.engine.engine import resolve_device, resolve_dtype
+from kvtool.engine.identity import resolve_device, resolve_dtype
 from kvtool.engine.errors import ModelError
 from kvtool.engine.params import EngineParams
 

@@ -22,8 +22,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.engine import LLMEngine, resolve_device, resolve_dtype, resolve_model_path
+from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError, KVToolError
+from kvtool.engine.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.workloads.figures import rate
 from kvtool.workloads.trace_pass import free_device_memory, reset_prefix_cache

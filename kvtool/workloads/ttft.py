@@ -33,7 +33,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.engine import LLMEngine, resolve_model_path
+from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens, served_prefix_tokens

@@ -79,7 +79,7 @@ def test_a_request_gives_the_same_bits_batched_with_0_to_63_others(qwen_dir, gra
             mixed = engine.generate(others(n) + TARGETS[:1], [SP] * n + [SEEDED])
             assert outputs(mixed[-1:]) == alone_seeded, n
         if graphs:
-            assert len(engine.runner.graphs.replays) >= 4
+            assert len(engine.executor.worker.runner.graphs.replays) >= 4
     finally:
         engine.close()
 
@@ -177,7 +177,7 @@ def test_without_the_mode_decode_still_runs_and_stays_close(qwen_dir):
     a = engine_for(qwen_dir, enable_prefix_caching=False, batch_invariant=False)
     b = engine_for(qwen_dir, enable_prefix_caching=False)
     try:
-        assert a.runner.batch_invariant is False and b.runner.batch_invariant is True
+        assert a.executor.worker.runner.batch_invariant is False and b.executor.worker.runner.batch_invariant is True
         for rx, ry in zip(a.generate(TARGETS, SP), b.generate(TARGETS, SP)):
             lx, ly = rx.logprobs[0], ry.logprobs[0]
             common = set(lx) & set(ly)

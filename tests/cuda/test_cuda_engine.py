@@ -43,7 +43,7 @@ def cuda_engine(tiny_model_dir):
                   "enforce_eager": not graphs}
         params.update(overrides)
         engine = LLMEngine(EngineParams(**params))
-        assert engine.runner.backend == ("reference" if params.get("attention_backend") == "reference" else "cuda")
+        assert engine.executor.worker.runner.backend == ("reference" if params.get("attention_backend") == "reference" else "cuda")
         engines.append(engine)
         return engine
 
@@ -60,7 +60,7 @@ def test_graph_decode_equals_eager(cuda_engine, batch):
     graphed = cuda_engine()
     eager = cuda_engine(graphs=False)
     a = graphed.generate(prompts, GREEDY)
-    assert sum(graphed.runner.graphs.replays.values()), "no decode step replayed a graph"
+    assert sum(graphed.executor.worker.runner.graphs.replays.values()), "no decode step replayed a graph"
     b = eager.generate(prompts, GREEDY)
     assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
 
@@ -69,7 +69,7 @@ def test_decode_graphs_are_captured_at_start_up_up_to_max_num_seqs(cuda_engine):
     """Every bucket up to --max-num-seqs is captured when the engine starts, and none above it;
     requests of every batch size replay those graphs and capture nothing."""
     engine = cuda_engine(max_num_seqs=20)
-    graphs = engine.runner.graphs
+    graphs = engine.executor.worker.runner.graphs
     assert graphs.buckets == [1, 2, 4, 8, 16, 20]
     captured = dict(graphs.graphs)
     assert sorted(captured) == graphs.buckets
@@ -86,7 +86,7 @@ def test_graph_decode_with_padding_rows(cuda_engine):
     prompts = [prompt(50 + 11 * i, seed=i) for i in range(5)]
     graphed = cuda_engine()
     a = graphed.generate(prompts, sp)
-    assert graphed.runner.graphs.replays.get(8)
+    assert graphed.executor.worker.runner.graphs.replays.get(8)
     b = cuda_engine(graphs=False).generate(prompts, sp)
     for x, y in zip(a, b):
         for tx, ty, lx, ly in zip(x.output_token_ids, y.output_token_ids, x.logprobs, y.logprobs):
@@ -106,7 +106,7 @@ def test_one_token_prefill_steps_replay_graphs_with_the_eager_bits(cuda_engine):
     for graphs, ktc in ((False, None), (True, None), (True, offload_config(num_cpu_blocks=64))):
         extra = {"kv_transfer_config": ktc, "enable_prefix_caching": False} if ktc else {}
         engine = cuda_engine(graphs=graphs, **extra)
-        assert (engine.runner.prefill_graphs is not None) is graphs
+        assert (engine.executor.worker.runner.prefill_graphs is not None) is graphs
         engine.generate([p], sp)
         if ktc is not None:
             engine.flush_connector()
@@ -114,7 +114,7 @@ def test_one_token_prefill_steps_replay_graphs_with_the_eager_bits(cuda_engine):
         loaded = hit.stats.num_external_loaded_tokens if ktc is not None else hit.stats.num_cached_tokens
         assert loaded == 592
         if graphs:
-            assert engine.runner.prefill_graphs.replays == 1
+            assert engine.executor.worker.runner.prefill_graphs.replays == 1
         runs.append(hit)
     eager, local, tier = runs
     assert local.output_token_ids == eager.output_token_ids
@@ -158,7 +158,7 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
     for saves_layerwise in (False, layerwise):
         engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64, layerwise=saves_layerwise),
                              enable_prefix_caching=False)
-        worker = engine.worker_connector
+        worker = engine.executor.worker.connector
         assert worker.layerwise is saves_layerwise
         transfers = worker.transfers
         layer_calls = []
@@ -170,7 +170,7 @@ def test_prefix_hit_equals_offload_hit_with_whole_block_and_layerwise_transfers(
         cold = engine.generate([p], GREEDY)[0]
         assert cold.stats.num_external_stored_tokens == 592
         # 37 blocks: a layerwise save (at least LAYERWISE_MIN_BLOCKS), one copy per layer
-        num_layers = engine.runner.kv_pages.geometry.num_layers
+        num_layers = engine.executor.worker.runner.kv_pages.geometry.num_layers
         assert layer_calls == (list(range(num_layers)) if saves_layerwise else [])
         worker.flush()
         pools.append(worker.pool.pool.clone())
@@ -194,7 +194,7 @@ def test_a_steps_inputs_reach_the_device_before_its_loads_are_queued(cuda_engine
     engine.generate([p], GREEDY)
     engine.flush_connector()
     events = []
-    transfers = engine.worker_connector.transfers
+    transfers = engine.executor.worker.connector.transfers
     load = transfers.load
     transfers.load = lambda pairs, layerwise: events.append(("load", len(pairs), layerwise)) or load(pairs, layerwise)
     pack_step = runner_module.pack_step
@@ -263,7 +263,7 @@ def test_disk_write_through_after_async_store(cuda_engine, tmp_path):
     p = prompt(200)
     writer = cuda_engine(kv_transfer_config=offload_config(root_dir=str(tmp_path / "tier")), enable_prefix_caching=False)
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     reader = cuda_engine(kv_transfer_config=offload_config(root_dir=str(tmp_path / "tier")), enable_prefix_caching=False)
     hit = reader.generate([p], GREEDY)[0]
     assert hit.stats.num_external_loaded_tokens == 192
@@ -379,9 +379,9 @@ def test_the_last_layer_for_the_sampled_rows_alone_keeps_every_token(cuda_engine
     runs, taken = [], {False: [], True: []}  # rows passed to the decoder per forward (-1: every row)
     for rows_only in (False, True):
         engine = cuda_engine(graphs=graphs, max_num_batched_tokens=256, enable_prefix_caching=False)
-        assert engine.runner.sampled_rows_only
-        engine.runner.sampled_rows_only = rows_only
-        decoder = engine.runner.model.model
+        assert engine.executor.worker.runner.sampled_rows_only
+        engine.executor.worker.runner.sampled_rows_only = rows_only
+        decoder = engine.executor.worker.runner.model.model
         forward = decoder.forward
         seen = taken[rows_only]
         decoder.forward = lambda ids, pos, rows=None: seen.append(-1 if rows is None else rows.shape[0]) \

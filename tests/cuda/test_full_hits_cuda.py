@@ -30,7 +30,7 @@ def _record_steps(engine):
     from kvtool.engine import runner as runner_module
 
     steps = []
-    execute_async = engine.runner.execute_async
+    execute_async = engine.executor.execute_async
     pack_step = runner_module.pack_step
 
     def spy(so):
@@ -41,7 +41,7 @@ def _record_steps(engine):
         steps.append(("pack", [s.request_id for s in decode], [s.request_id for s in prefill]))
         return pack_step(decode, rows, prefill, *args)
 
-    engine.runner.execute_async = spy
+    engine.executor.execute_async = spy
     runner_module.pack_step = packed
     return steps, lambda: setattr(runner_module, "pack_step", pack_step)
 
@@ -70,12 +70,12 @@ def test_full_hit_computes_the_last_token_alone_with_the_cold_bits(tmp_path, blo
 
     def check_full_hits(engine):
         steps, restore = _record_steps(engine)
-        replays = engine.runner.prefill_graphs.replays
+        replays = engine.executor.worker.runner.prefill_graphs.replays
         try:
             hits = [engine.generate([p], sp)[0] for p in prompts]
         finally:
             restore()
-        assert engine.runner.prefill_graphs.replays == replays + len(prompts)  # the one-token graphs
+        assert engine.executor.worker.runner.prefill_graphs.replays == replays + len(prompts)  # the one-token graphs
         assert [r.stats.num_external_tokens for r in hits] == [len(p) - 1 for p in prompts]
         assert [r.stats.num_external_loaded_tokens for r in hits] == [len(p) for p in prompts]
         for r, p in zip(hits, prompts):
@@ -88,7 +88,7 @@ def test_full_hit_computes_the_last_token_alone_with_the_cold_bits(tmp_path, blo
     engine = LLMEngine(EngineParams(**base, kv_transfer_config=ktc))
     try:
         assert outputs([engine.generate([p], sp)[0] for p in prompts]) == cold
-        engine.worker_connector.flush()
+        engine.executor.worker.connector.flush()
         check_full_hits(engine)  # from the CPU tier
     finally:
         engine.close()

@@ -54,7 +54,7 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
                                         kv_transfer_config=_lm(port, 4, "kv_producer")))
         try:
             written = [writer.generate([p], sp)[0] for p in (head, full)]
-            writer.worker_connector.flush()
+            writer.executor.worker.connector.flush()
             assert [r.stats.num_external_loaded_tokens for r in written] == [0, 0]
             cold = outputs(written)
         finally:
@@ -64,12 +64,12 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
         reader = LLMEngine(EngineParams(**base, enable_prefix_caching=True,
                                         kv_transfer_config=_lm(port, 1, "kv_consumer")))
         try:
-            worker = reader.worker_connector
+            worker = reader.executor.worker.connector
             first = reader.generate([head], sp)[0]
             assert first.stats.num_external_loaded_tokens == 4 * CHUNK
             # The prefix cache holds head's whole blocks, which end inside chunk 4: that chunk is
             # loaded past them, and chunks 5 to 21 whole.
-            local = len(head) // reader.kv_pages.geometry.block_size * reader.kv_pages.geometry.block_size
+            local = len(head) // reader.executor.worker.kv_pages.geometry.block_size * reader.executor.worker.kv_pages.geometry.block_size
             assert local % CHUNK
             second = reader.generate([full], sp)[0]
             assert second.stats.num_external_loaded_tokens == 22 * CHUNK - local

@@ -50,7 +50,7 @@ def test_async_output_equals_sync(make_engine, setting):
 def test_next_step_is_queued_before_the_previous_result_is_read(make_engine):
     engine = make_engine(async_scheduling=True)
     events = []
-    execute_async = engine.runner.execute_async
+    execute_async = engine.executor.execute_async
 
     def traced(so):
         events.append(("queue", [s.token_ids[0] == PLACEHOLDER_TOKEN for s in so.scheduled]))
@@ -64,7 +64,7 @@ def test_next_step_is_queued_before_the_previous_result_is_read(make_engine):
         pending.result = traced_result
         return pending
 
-    engine.runner.execute_async = traced
+    engine.executor.execute_async = traced
     r = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert len(r.output_token_ids) == 6
     kinds = [k for k, _ in events]

@@ -38,8 +38,8 @@ HALF_SCRIPT = textwrap.dedent(
     from kvtool.engine.connectors.base import ConnectorContext
     from kvtool.engine.connectors.config import parse_kv_transfer_config
     from kvtool.engine.connectors.registry import resolve_connector
-    from kvtool.engine.engine import identity_for_model
     from kvtool.engine.hashing import extend_block_hashes, make_none_hash
+    from kvtool.engine.identity import identity_for_model
     from kvtool.engine.kv_pages import KVPages
     from kvtool.engine.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
     from kvtool.engine.params import EngineParams, SamplingParams
@@ -109,7 +109,7 @@ def test_each_offloading_half_runs_in_a_process_of_its_own(make_engine, tiny_mod
     root = tmp_path / "tier"
     writer = make_engine(kv_transfer_config=parse_kv_transfer_config(offload(root)))
     writer.generate([PROMPT], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     (matched, pinned, num_loads), (errors, reported, filled) = run_halves(offload(root), PROMPT, tiny_model_dir,
                                                                            cli_env, tmp_path)
     assert matched == 64 and num_loads == 4 and pinned == 4  # 4 offload blocks, from disk
@@ -127,7 +127,7 @@ LONG_PROMPT = [(7 * i) % 400 + 1 for i in range(70)]
 def test_each_lmcache_half_runs_in_a_process_of_its_own(make_engine, lmcache_server, tiny_model_dir, cli_env, tmp_path):
     writer = make_engine(kv_transfer_config=parse_kv_transfer_config(lmcache(lmcache_server)))
     writer.generate([LONG_PROMPT], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     (matched, _, num_loads), (errors, reported, filled) = run_halves(lmcache(lmcache_server), LONG_PROMPT,
                                                                       tiny_model_dir, cli_env, tmp_path)
     assert matched == 64 and num_loads == 4  # four 16-token chunks (blake3 keys: one per block)
@@ -194,7 +194,7 @@ def test_schedule_makes_no_io_call(make_engine, tmp_path, restart):
     root = tmp_path / "tier"
     engine = make_engine(kv_transfer_config=parse_kv_transfer_config(offload(root)))
     engine.generate([PROMPT], GREEDY)
-    engine.worker_connector.flush()
+    engine.executor.worker.connector.flush()
     if restart:  # a new engine finds the blocks through the index it built at start-up
         engine = make_engine(kv_transfer_config=parse_kv_transfer_config(offload(root)))
     else:

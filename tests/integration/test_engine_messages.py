@@ -25,7 +25,7 @@ PARAMS = [
 def drive_through_copies(engine) -> list:
     """Make `engine` exchange only pickled copies between its scheduler and its runner."""
     seen = []
-    execute = engine.runner.execute
+    execute = engine.executor.execute
 
     def execute_copy(so):
         wire = pickle.dumps(so)
@@ -33,7 +33,7 @@ def drive_through_copies(engine) -> list:
         out = execute(pickle.loads(wire))
         return pickle.loads(pickle.dumps(out))
 
-    engine.runner.execute = execute_copy
+    engine.executor.execute = execute_copy
     return seen
 
 
@@ -64,13 +64,13 @@ def test_running_requests_travel_as_diffs(make_engine):
     """A decode step names one token and only the blocks added since the last message."""
     engine = make_engine(block_size=16)
     messages = []
-    execute = engine.runner.execute
+    execute = engine.executor.execute
 
     def record(so):
         messages.append(pickle.loads(pickle.dumps(so)))
         return execute(so)
 
-    engine.runner.execute = record
+    engine.executor.execute = record
     engine.generate([list(range(1, 40))], SamplingParams(max_tokens=30, temperature=0.0))
     first, later = messages[0], messages[1:]
     assert [n.request_id for n in first.new_requests] == ["req-0"]
@@ -80,5 +80,5 @@ def test_running_requests_travel_as_diffs(make_engine):
     sent = [len(m.scheduled[0].new_block_ids) for m in later if m.scheduled]
     # 39 + 30 tokens need 5 blocks of 16: 3 at the start, then one each time a block fills up.
     assert sum(sent) + len(first.scheduled[0].new_block_ids) == 5 and max(sent) == 1
-    assert messages[-1].finished_req_ids == [] and engine.runner.request_ids == ["req-0"]
+    assert messages[-1].finished_req_ids == [] and engine.executor.request_ids == ["req-0"]
     engine.step() if engine.has_unfinished_requests() else None

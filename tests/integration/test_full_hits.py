@@ -32,13 +32,13 @@ def config(connector, **extra):
 def record_steps(engine):
     """Every (request id, start, num_tokens) the runner is given, in order."""
     steps = []
-    execute_async = engine.runner.execute_async
+    execute_async = engine.executor.execute_async
 
     def spy(so):
         steps.extend((s.request_id, s.start, s.num_tokens) for s in so.scheduled)
         return execute_async(so)
 
-    engine.runner.execute_async = spy
+    engine.executor.execute_async = spy
     return steps
 
 
@@ -56,7 +56,7 @@ def full_hit(make_engine, ktc, p, *, rebuild=False, **engine_args):
     """Fill with one engine, then generate `p` again on a cold local cache; returns (fill, hit, steps)."""
     filler = make_engine(kv_transfer_config=ktc, enable_prefix_caching=False, **engine_args)
     fill = filler.generate([p], SAMPLING)[0]
-    filler.worker_connector.flush()
+    filler.executor.worker.connector.flush()
     engine = make_engine(kv_transfer_config=ktc, enable_prefix_caching=False, **engine_args) if rebuild else filler
     steps = record_steps(engine)
     hit = engine.generate([p], SAMPLING)[0]

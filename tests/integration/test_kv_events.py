@@ -117,7 +117,7 @@ def test_events_rebuild_the_engine_cache_exactly(make_engine, subscriber, monkey
     assert len(expected) > 0
     if transfer is not None:
         assert engine.stats().external_tokens_loaded > 0  # blocks came back from the CPU tier
-        held = sorted(str(int.from_bytes(k[:-4], "big") & ((1 << 64) - 1)) for k in engine.scheduler_connector.slots.keys())
+        held = sorted(str(int.from_bytes(k[:-4], "big") & ((1 << 64) - 1)) for k in engine.scheduler.connector.slots.keys())
         assert got["state"].pop("CPU") == held  # the CPU tier announces what it holds too
     assert got["state"] == {"GPU": expected}
 
@@ -262,7 +262,7 @@ def test_offloading_tiers_announce_what_they_hold(make_engine, subscriber, tmp_p
     def ext(h: bytes) -> str:
         return str(int.from_bytes(h, "big") & ((1 << 64) - 1))
 
-    half = engine.scheduler_connector
+    half = engine.scheduler.connector
     cpu = sorted(ext(key[:-4]) for key in half.slots.keys())
     disk = sorted(ext(h) for h in half.disk._present)
     assert got["errors"] == [] and got["mismatched_reencodes"] == 0

@@ -32,7 +32,7 @@ def test_fill_then_cold_process_and_in_process_restart(make_engine, lmcache_serv
     ktc = lm_config(lmcache_server)
     a = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
     filled = a.generate(prompts, GREEDY)
-    a.worker_connector.flush()
+    a.executor.worker.connector.flush()
     assert [r.stats.num_external_stored_tokens for r in filled] == [512, 256]
     # In-process restart: a new engine (empty prefix cache) loads every full chunk.
     b = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
@@ -79,9 +79,9 @@ def test_server_lost_between_exist_and_get(make_engine, restartable_lmcache_serv
     ref = make_engine().generate([p], GREEDY)[0]
     writer = make_engine(kv_transfer_config=parse_kv_transfer_config(lm_config(server)))
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     engine = make_engine(kv_transfer_config=parse_kv_transfer_config(lm_config(server, policy=policy, timeout_s=5.0)))
-    worker = engine.worker_connector
+    worker = engine.executor.worker.connector
     original = worker.start_load_kv
 
     def lose_server_then_load():
@@ -103,7 +103,7 @@ def test_wrong_shape_under_the_right_key_is_refused(make_engine, lmcache_server,
     p = prompt(300, 5 if variant == "bigger" else 6)
     ref = make_engine().generate([p], GREEDY)[0]
     engine = make_engine(kv_transfer_config=parse_kv_transfer_config(lm_config(lmcache_server, policy="fail")))
-    g = engine.kv_pages.geometry
+    g = engine.executor.worker.kv_pages.geometry
     settings = LMCacheKeySettings(model_name=engine.identity.model_name, kv_dtype="float", chunk_tokens=256)
     key = make_chunk_keys(p, settings)[0].key
     if variant == "bigger":
@@ -134,7 +134,7 @@ def test_more_chunks_than_load_buffers(make_engine, lmcache_server):
     ktc = lm_config(lmcache_server, chunk_tokens=16, connections=2)
     writer = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     reader = make_engine(kv_transfer_config=parse_kv_transfer_config(ktc))
     r = reader.generate([p], GREEDY)[0]
     assert r.stats.num_external_loaded_tokens == 592

@@ -66,7 +66,7 @@ def same_checkpoint(tmp_path_factory):
 
 def run(engine, p):
     out = engine.generate([p], GREEDY)[0]
-    engine.worker_connector.flush()
+    engine.executor.worker.connector.flush()
     return out
 
 
@@ -103,5 +103,5 @@ def test_peer_mode_keys_cannot_tell_the_checkpoints_apart(make_engine, lmcache_s
     a = make_engine(kv_transfer_config=store_config(store, hash_algo="vllm", chunk_tokens=16))
     b = make_engine(kv_transfer_config=store_config(store, hash_algo="vllm", chunk_tokens=16),
                     model=str(other_checkpoint))
-    assert a.scheduler_connector.key_settings.identity_digest is None
-    assert a.scheduler_connector.key_settings == b.scheduler_connector.key_settings
+    assert a.scheduler.connector.key_settings.identity_digest is None
+    assert a.scheduler.connector.key_settings == b.scheduler.connector.key_settings

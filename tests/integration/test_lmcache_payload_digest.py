@@ -40,10 +40,10 @@ def test_forged_chunk_is_refused_by_default_in_blake3_mode(make_engine, lmcache_
     p = prompt(80, seed=41)
     ref = make_engine().generate([p], GREEDY)[0]
     writer = make_engine(kv_transfer_config=lm_config(lmcache_server))  # blake3: digests by default
-    assert writer.worker_connector.verify_payload
+    assert writer.executor.worker.connector.verify_payload
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
-    keys = [k.key for k in make_chunk_keys(p, writer.scheduler_connector.key_settings)]
+    writer.executor.worker.connector.flush()
+    keys = [k.key for k in make_chunk_keys(p, writer.scheduler.connector.key_settings)]
     first = keys[0]
     with LMClient(lmcache_server.host, lmcache_server.port, connections=1) as client:
         assert client.exist_many(keys + [digest_key(k) for k in keys]) == [True] * (2 * len(keys))
@@ -84,7 +84,7 @@ def test_chunk_without_its_digest_is_refused(make_engine, lmcache_server):
     p = prompt(48, seed=43)
     plain = make_engine(kv_transfer_config=lm_config(lmcache_server, verify_payload=False))  # no digests
     plain.generate([p], GREEDY)
-    plain.worker_connector.flush()
+    plain.executor.worker.connector.flush()
     reader = make_engine(kv_transfer_config=lm_config(lmcache_server))
     r = reader.generate([p], GREEDY)[0]
     assert r.finish_reason == "error" and "has no payload digest" in r.error
@@ -95,16 +95,16 @@ def test_peer_modes_store_no_digest_unless_asked(make_engine, lmcache_server):
     p = prompt(48, seed=47)
     peer_mode = lm_config(lmcache_server, hash_algo="vllm", chunk_tokens=16)
     writer = make_engine(kv_transfer_config=peer_mode)
-    assert not writer.worker_connector.verify_payload
+    assert not writer.executor.worker.connector.verify_payload
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
-    keys = [k.key for k in make_chunk_keys(p, writer.scheduler_connector.key_settings)]
+    writer.executor.worker.connector.flush()
+    keys = [k.key for k in make_chunk_keys(p, writer.scheduler.connector.key_settings)]
     with LMClient(lmcache_server.host, lmcache_server.port, connections=1) as client:
         assert client.exist_many(keys) == [True] * len(keys)
         assert client.exist_many([digest_key(k) for k in keys]) == [False] * len(keys)
     asked = make_engine(kv_transfer_config=lm_config(lmcache_server, hash_algo="vllm", chunk_tokens=16,
                                                      verify_payload=True))
-    assert asked.worker_connector.verify_payload
+    assert asked.executor.worker.connector.verify_payload
 
 
 def test_verify_payload_refuses_a_model_name_too_long_for_the_digest_key(make_engine, lmcache_server):

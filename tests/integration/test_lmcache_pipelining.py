@@ -96,7 +96,7 @@ def test_a_wave_through_the_connector_loads_past_a_stalled_connection(make_engin
 
     writer = make_engine(kv_transfer_config=ktc(lmcache_server.port), enable_prefix_caching=False)
     writer.generate([p], sp)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     with stalling_proxy(tmp_path, lmcache_server.port, release_after=20 - GET_WINDOW) as (port, log):
         reader = make_engine(kv_transfer_config=ktc(port), enable_prefix_caching=False)
         hit = reader.generate([p], sp)[0]

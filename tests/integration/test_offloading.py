@@ -71,7 +71,7 @@ def test_tiny_cpu_pool_still_loads_through_promotion(make_engine, tmp_path):
     ref = make_engine().generate([p], GREEDY)[0]
     writer = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(root)))
     writer.generate([p], GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     # One CPU slot for 12 blocks: every load goes disk -> slot (or staging) -> pages.
     reader = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(root, num_cpu_blocks=1)))
     r = reader.generate([p], GREEDY)[0]
@@ -84,7 +84,7 @@ def test_disk_capacity_is_never_exceeded(make_engine, tmp_path):
     engine = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(root, fs_capacity_bytes=200_000)))
     for i in range(6):
         engine.generate([prompt(100, seed=i)], GREEDY)
-        engine.worker_connector.flush()
+        engine.executor.worker.connector.flush()
         total = sum(f.stat().st_size for f in root.rglob("*.kvb"))
         assert total <= 200_000
     assert total > 0
@@ -100,7 +100,7 @@ def test_damaged_files_are_never_loaded(make_engine, tmp_path, cli_env):
     ref = make_engine().generate([p], GREEDY)[0]
     w = make_engine(kv_transfer_config=parse_kv_transfer_config(offload_config(root)))
     w.generate([p], GREEDY)
-    w.worker_connector.flush()
+    w.executor.worker.connector.flush()
     files = _tier_files(root)
     assert len(files) == 5
     # A flipped payload byte in the second block.
@@ -148,6 +148,6 @@ def test_flush_frees_the_tier_slots_its_stores_held(make_engine, tmp_path):
     first = engine.generate([prompt(70, seed=1)], one)[0]
     assert first.stats.num_external_stored_tokens == 64
     engine.flush_connector()
-    assert engine.scheduler_connector.slots.num_pinned == 0
+    assert engine.scheduler.connector.slots.num_pinned == 0
     second = engine.generate([prompt(70, seed=2)], one)[0]
     assert second.stats.num_external_stored_tokens == 64  # all four slots were free for it

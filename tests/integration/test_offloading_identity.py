@@ -58,18 +58,18 @@ def test_foreign_tier_is_refused_naming_fields(setting, make_engine, tiny_model_
     root = tmp_path / "tier"
     writer = make_engine(kv_transfer_config=ktc(root, "fail"))
     writer.generate([PROMPT], GREEDY)
-    writer.worker_connector.flush()
-    written = root / "kv" / writer.worker_connector.disk.digest
+    writer.executor.worker.connector.flush()
+    written = root / "kv" / writer.executor.worker.connector.disk.digest
     overrides, fields = _variant(setting, tiny_model_dir, tmp_path)
     ref = make_engine(**{k: v for k, v in overrides.items()}).generate([PROMPT], GREEDY)[0]
     for policy in ("fail", "recompute"):
         reader = make_engine(kv_transfer_config=ktc(root, policy), **overrides)
-        target = root / "kv" / reader.worker_connector.disk.digest
+        target = root / "kv" / reader.executor.worker.connector.disk.digest
         assert target != written  # another identity looks elsewhere...
         if not target.exists() or not any(target.rglob("*.kvb")):
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(written, target)  # ...so put the foreign files where it looks
-            reader.scheduler_connector.disk.refresh()  # (what its background listing would find)
+            reader.scheduler.connector.disk.refresh()  # (what its background listing would find)
         r = reader.generate([PROMPT], GREEDY)[0]
         if policy == "fail":
             assert r.finish_reason == "error" and r.output_token_ids == []

@@ -137,8 +137,8 @@ def test_a_tier_of_another_tp_size_is_refused_naming_the_fields(make_engine, tin
     root = tmp_path / "tier"
     writer = make_engine(kv_transfer_config=offload(root))  # TP 1: every KV head in one file
     writer.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0))
-    writer.worker_connector.flush()
-    written = root / "kv" / writer.worker_connector.disk.digest
+    writer.executor.worker.connector.flush()
+    written = root / "kv" / writer.executor.worker.connector.disk.digest
     identity = tp_identity(tiny_model_dir, 2)
     ranks = RankedHalves(offload(root), identity, make_none_hash(), 2)
     try:

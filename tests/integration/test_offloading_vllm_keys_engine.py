@@ -60,7 +60,7 @@ def test_blocks_per_chunk_four_gives_64_token_offload_blocks(make_engine):
     ref = make_engine().generate([p], GREEDY)[0]
     engine = make_engine(kv_transfer_config=offloading_config(num_cpu_blocks=4, blocks_per_chunk=4),
                          enable_prefix_caching=False)
-    assert engine.scheduler_connector.obt == 64 and engine.worker_connector.pool.blocks_per_slot == 4
+    assert engine.scheduler.connector.obt == 64 and engine.executor.worker.connector.pool.blocks_per_slot == 4
     first = run(engine, p, GREEDY)
     assert first.stats.num_external_stored_tokens == 128  # two whole 64-token blocks of 150 tokens
     second = run(engine, p, GREEDY)
@@ -76,7 +76,7 @@ def test_tiering_spec_fs_tier_writes_kvtool_disk_files_a_fresh_engine_loads(make
     ref = make_engine().generate(prompts, GREEDY)
     writer = make_engine(kv_transfer_config=config)
     written = writer.generate(prompts, GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     report = scan(root, verify=True)
     assert not report.has_damage and len(report.groups) == 1  # one identity: this engine's
     assert report.groups[0].num_blocks == 80 // 16 + 300 // 16
@@ -105,7 +105,7 @@ def test_vllms_documented_configs_run(make_engine, tmp_path):
         if "10737418240" in doc:
             config.kv_connector_extra_config["cpu_bytes_to_use"] = 64 << 20
         engine = make_engine(kv_transfer_config=config, enable_prefix_caching=False)
-        unit = engine.scheduler_connector.obt
+        unit = engine.scheduler.connector.obt
         first, second = run(engine, p, GREEDY), run(engine, p, GREEDY)
         assert second.stats.num_external_tokens == 200 // unit * unit
         assert first.output_token_ids == second.output_token_ids == ref.output_token_ids
@@ -120,9 +120,9 @@ def test_fs_tier_publishes_storage_events_only_with_enable_kv_events(make_engine
                 "locality": "LOCAL"}
         engine = make_engine(kv_transfer_config=offloading_config(spec_name="TieringOffloadingSpec", num_cpu_blocks=8,
                                                     secondary_tiers=[tier]))
-        recorder = engine.scheduler_connector.kv_event_recorder()
+        recorder = engine.scheduler.connector.kv_event_recorder()
         run(engine, prompt(40, seed=8))
         stored = [e for e in recorder.take_events() if isinstance(e, BlockStored)]
         seen[enable] = sorted({(e.medium, e.locality) for e in stored}, key=str)
-        assert engine.scheduler_connector.disk is not None and len(engine.scheduler_connector.disk) == 2
+        assert engine.scheduler.connector.disk is not None and len(engine.scheduler.connector.disk) == 2
     assert seen == {False: [(MEDIUM_CPU, None)], True: [(MEDIUM_CPU, None), (MEDIUM_STORAGE, "LOCAL")]}

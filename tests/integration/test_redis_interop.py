@@ -50,7 +50,7 @@ def test_a_chunk_lmcache_stores_is_loaded_by_kvtool(kind, make_engine, request, 
     (key,) = chunk_keys(p)
     kv, ours = db.get(key + "kv_bytes"), db.get(key + "metadata")
     assert db.delete(key + "kv_bytes") + db.delete(key + "metadata") == 2
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     shape = (2, g.num_layers, 256, g.num_kv_heads * g.head_dim)
     payload = tmp_path / "chunk.bin"
     payload.write_bytes(kv)
@@ -74,7 +74,7 @@ def test_a_chunk_kvtool_stores_is_decoded_by_lmcache(kind, make_engine, request,
     (key,) = chunk_keys(p)
     out = tmp_path / "got.bin"
     answer = lmcache_store_client("get", url, key, str(out))
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     shape = [2, g.num_layers, 256, g.num_kv_heads * g.head_dim]
     assert answer == {"hit": True, "shape": shape, "dtype": "float32", "fmt": "KV_2LTD", "fmt_code": 1,
                       "length": 4 * torch.Size(shape).numel()}

@@ -49,7 +49,7 @@ def chunk_keys(p, chunk_tokens=256):
 def fill(make_engine, url, prompts, **extra):
     writer = make_engine(kv_transfer_config=store_config(url, **extra))
     out = writer.generate(prompts, GREEDY)
-    writer.worker_connector.flush()
+    writer.executor.worker.connector.flush()
     return out
 
 
@@ -85,7 +85,7 @@ def test_redis_layout_is_lmcaches_two_keys(make_engine, redis_server):
     p = prompt(300, 13)
     fill(make_engine, url, [p])
     engine = make_engine()
-    g = engine.kv_pages.geometry
+    g = engine.executor.worker.kv_pages.geometry
     (key,) = chunk_keys(p)
     db = redis.Redis(host=HOST, port=redis_server.port, db=4)
     meta, payload = db.get(key + "metadata"), db.get(key + "kv_bytes")
@@ -102,7 +102,7 @@ def test_valkey_layout_is_one_bare_key_with_the_ttl(make_engine, redis_server):
     fill(make_engine, url, [p], valkey_enable_ttl=True, valkey_ttl_sec=600)
     (key,) = chunk_keys(p)
     db = plain_client(redis_server)
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     assert len(db.get(key)) == 4 * 2 * g.num_layers * 256 * g.num_kv_heads * g.head_dim
     assert db.get(key + "metadata") is None and db.get(key + "kv_bytes") is None
     assert 0 < db.ttl(key) <= 600
@@ -145,7 +145,7 @@ def test_redis_restarted_empty_between_lookup_and_load(make_engine, own_redis_se
     ref = make_engine().generate([p], GREEDY)[0]
     fill(make_engine, url, [p])
     engine = make_engine(kv_transfer_config=store_config(url, policy=policy))
-    worker = engine.worker_connector
+    worker = engine.executor.worker.connector
     original = worker.start_load_kv
 
     def restart_then_load():
@@ -176,7 +176,7 @@ def test_wrong_shape_under_the_right_key_is_refused(make_engine, redis_server, v
     scheme = "valkey" if variant == "valkey_wrong_size" else "redis"
     url = f"{scheme}://{HOST}:{redis_server.port}"
     engine = make_engine(kv_transfer_config=store_config(url, policy="fail"))
-    g = engine.kv_pages.geometry
+    g = engine.executor.worker.kv_pages.geometry
     (key,) = chunk_keys(p)
     db = plain_client(redis_server)
     hidden = g.num_kv_heads * g.head_dim
@@ -232,7 +232,7 @@ def test_cluster_master_killed_mid_run(make_engine, own_redis_cluster, policy):
     assert any(affected) and not all(affected), affected  # the prompts were chosen so
     victim = next(n for n in cluster.nodes if n.port == victim_port)
     engine = make_engine(kv_transfer_config=store_config(cluster.url, policy=policy, timeout_s=5.0))
-    worker = engine.worker_connector
+    worker = engine.executor.worker.connector
     original = worker.start_load_kv
 
     def kill_then_load():
@@ -245,9 +245,9 @@ def test_cluster_master_killed_mid_run(make_engine, own_redis_cluster, policy):
     # Lookups run on the scheduler half's own thread: let every one of them answer first, so the
     # kill falls between all lookups and all loads.
     ids = [engine.add_request(p, GREEDY) for p in prompts]
-    half = engine.scheduler_connector
+    half = engine.scheduler.connector
     deadline = time.monotonic() + 30
-    while any(half.get_num_new_matched_tokens(engine._requests[i], 0)[0] is None for i in ids):
+    while any(half.get_num_new_matched_tokens(engine.scheduler.requests[i], 0)[0] is None for i in ids):
         assert time.monotonic() < deadline, "lookups did not answer"
         time.sleep(0.01)
     while engine.has_unfinished_requests():
@@ -316,7 +316,7 @@ def test_slow_store_times_out_under_the_policy(make_engine, redis_server, policy
     try:
         engine = make_engine(kv_transfer_config=store_config(f"redis://{HOST}:{proxy.port}", policy=policy,
                                                              timeout_s=2.0))
-        worker = engine.worker_connector
+        worker = engine.executor.worker.connector
         original = worker.start_load_kv
 
         def slow_then_load():
@@ -446,7 +446,7 @@ def test_a_partial_chunk_keeps_its_own_shape(make_engine, redis_server):
     url = f"redis://{HOST}:{redis_server.port}/5"
     p = prompt(300, 46)
     fill(make_engine, url, [p], save_unfull_chunk=True)
-    g = make_engine().kv_pages.geometry
+    g = make_engine().executor.worker.kv_pages.geometry
     hidden = g.num_kv_heads * g.head_dim
     keys = [c.key for c in make_chunk_keys(p, LMCacheKeySettings(model_name=MODEL_NAME, kv_dtype="float",
                                                                   chunk_tokens=256, save_unfull_chunk=True))]

@@ -39,7 +39,7 @@ def _run(params: EngineParams, prompts, sampling=GREEDY):
         token_prompts = [engine.encode_prompt(p) if isinstance(p, str) else p for p in prompts]
         results = engine.generate(token_prompts, sampling)
         engine.check_integrity()
-        pids = engine.tp_executor.pids if engine.tp_executor is not None else []
+        pids = getattr(engine.executor, "pids", [])
     assert wait_gone(pids) == [], "a worker outlived the engine"
     return results
 
@@ -94,7 +94,7 @@ def test_each_rank_s_connector_half_gets_its_rank_identity_and_the_stats_add_up(
                 with pytest.raises(WorkerError) as failed:
                     while engine.has_unfinished_requests():
                         engine.step()
-                pids = engine.tp_executor.pids
+                pids = engine.executor.pids
         docs = [json.loads(p.read_text()) for p in sorted((tmp_path / f"tp{tp}").iterdir())]
         by_role = {(d["role"], d["tp_rank"]): d for d in docs}
         if tp == 1:
@@ -116,7 +116,7 @@ def test_each_rank_s_connector_half_gets_its_rank_identity_and_the_stats_add_up(
 def test_a_killed_worker_ends_the_engine_in_one_line_naming_its_rank(tiny_model_dir):
     engine = LLMEngine(_params(tiny_model_dir, tensor_parallel_size=2))
     try:
-        pids = engine.tp_executor.pids
+        pids = engine.executor.pids
         engine.generate([[1, 2, 3]], GREEDY)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError) as died:
@@ -175,7 +175,7 @@ def test_tp2_with_the_cpu_tier_loads_each_rank_s_shard_and_gives_the_same_tokens
         second = engine.generate([prompt], sampling)[0]
         engine.flush_connector()
         engine.check_integrity()
-        assert engine.scheduler_connector.slots.num_pinned == 0
+        assert engine.scheduler.connector.slots.num_pinned == 0
     assert first.stats.num_external_stored_tokens == 80
     # A full hit loads every block (the last one whole) and computes the last token alone.
     assert second.stats.num_external_loaded_tokens == 80

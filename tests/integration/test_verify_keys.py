@@ -230,7 +230,7 @@ def test_peer_finds_an_engines_blake3_chunks_only_with_its_model(make_engine, lm
         "kv_connector_extra_config": {"host": host, "port": port, "model_name": model_name}})))
     tiny_tokens = [t % 500 for t in TOKENS]  # the tiny model's vocabulary has 512 ids
     engine.generate([tiny_tokens], SamplingParams(max_tokens=1, temperature=0.0))
-    engine.worker_connector.flush()
+    engine.executor.worker.connector.flush()
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(tiny_tokens))
     args = ["verify-keys", "--peer", f"lm://{host}:{port}", "--tokens", tokens, "--model-name", model_name,
@@ -239,7 +239,7 @@ def test_peer_finds_an_engines_blake3_chunks_only_with_its_model(make_engine, lm
     assert code == 0, err
     rows = json.loads(out)
     assert [(r["present"], r["fits"]) for r in rows] == [(True, True), (True, True)]
-    expected = make_chunk_keys(tiny_tokens, engine.scheduler_connector.key_settings)
+    expected = make_chunk_keys(tiny_tokens, engine.scheduler.connector.key_settings)
     assert [r["key"] for r in rows] == [k.key for k in expected]
 
     other = tmp_path / "other"

@@ -115,3 +115,20 @@ def test_value_types_import_no_connector_or_model_code(leaf):
     allowed = set(LEAVES) | {"kvtool.engine.connectors.names", "kvtool.engine.kv_events_config", "kvtool.engine.sizes",
                               "kvtool.engine.config_json"}
     assert seen <= allowed, sorted(seen - allowed)
+
+
+# The tensor-parallel process code; only the executor modules start or talk to rank processes.
+TP_PROCESS_MODULES = {"kvtool.engine.tp_executor", "kvtool.engine.tp_worker"}
+EXECUTOR_MODULES = {"kvtool.engine.executor"} | TP_PROCESS_MODULES
+
+
+def test_only_the_executor_modules_import_the_tensor_parallel_process_code():
+    graph = import_graph()
+    importers = sorted(m for m, targets in graph.items() if targets & TP_PROCESS_MODULES and m not in EXECUTOR_MODULES)
+    assert importers == []
+
+
+def test_the_engine_has_no_tensor_parallel_branch():
+    """The engine drives one Executor whatever the tensor-parallel size: no `tp_` name in it."""
+    source = (PACKAGE / "engine" / "engine.py").read_text()
+    assert "tp_" not in source

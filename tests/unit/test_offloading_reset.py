@@ -15,7 +15,7 @@ def test_reset_forgets_the_cpu_tier_and_keeps_the_disk_tier(make_engine, tmp_pat
     ref = make_engine().generate([p], ONE)[0]
     engine = make_engine(kv_transfer_config=offloading_config(num_cpu_blocks=8, root_dir=str(root)),
                          enable_prefix_caching=False)
-    half = engine.scheduler_connector
+    half = engine.scheduler.connector
     engine.generate([p], ONE)
     engine.flush_connector()
     files = sorted(root.rglob("*.kvb"))
@@ -33,7 +33,7 @@ def test_reset_forgets_the_cpu_tier_and_keeps_the_disk_tier(make_engine, tmp_pat
 def test_a_slot_pinned_by_a_transfer_in_flight_is_kept_until_a_retry(make_engine, tmp_path):
     engine = make_engine(kv_transfer_config=offloading_config(num_cpu_blocks=8, root_dir=str(tmp_path / "tier")),
                          enable_prefix_caching=False)
-    half = engine.scheduler_connector
+    half = engine.scheduler.connector
     recorder = half.kv_event_recorder()
     engine.generate([prompt(40, seed=2)], ONE)
     engine.flush_connector()  # these two are unpinned

@@ -142,3 +142,42 @@ def test_max_num_seqs_limits_running():
     assert len(so.scheduled) == 2
     run_to_end(sched)
     sched.check_integrity()
+
+
+def test_the_registry_keeps_a_finished_request_until_its_result_is_taken():
+    sched = make_scheduler()
+    req = make_request("a", list(range(6)), max_tokens=2)
+    sched.add_request(req)
+    run_to_end(sched)
+    assert req.is_finished and sched.requests["a"] is req  # the engine's one registry
+    assert sched.abort_request("a") is None  # a finished request stays finished
+    assert sched.pop_request("a") is req and "a" not in sched.requests
+
+
+class _Grammars:
+    """Stands in for StructuredOutputs: one request with a grammar, a mask per ask."""
+
+    def __init__(self, rids):
+        self.rids, self.asked = set(rids), []
+
+    def __bool__(self):
+        return bool(self.rids)
+
+    def __contains__(self, rid):
+        return rid in self.rids
+
+    def bitmask(self, rid):
+        self.asked.append(rid)
+        return f"mask-{rid}"
+
+
+def test_the_step_carries_the_grammar_masks_of_its_samples_only():
+    grammars = _Grammars({"g"})
+    sched = Scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=8,
+                      enable_prefix_caching=True, none_hash=make_none_hash("test"), structured_outputs=grammars)
+    sched.add_request(make_request("g", list(range(12)), max_tokens=2))
+    sched.add_request(make_request("p", list(range(3)), max_tokens=2))
+    first, _ = run_step(sched)
+    assert first.allowed_token_bitmasks == {}  # "g" is mid-prefill: no sample, no mask
+    second, _ = run_step(sched)
+    assert second.allowed_token_bitmasks == {"g": "mask-g"} and grammars.asked == ["g"]

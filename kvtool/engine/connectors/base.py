@@ -296,11 +296,6 @@ class KVConnector:
         """The worker half alone, as a worker process builds it (no scheduler half needed)."""
         return cls.worker_half(ctx) if cls.worker_half is not None else None
 
-    @classmethod
-    def create_halves(cls, ctx: ConnectorContext) -> tuple[SchedulerHalf, WorkerHalf | None]:
-        """Both halves, each built on its own: they share nothing but the config and the store."""
-        return cls.create_scheduler_half(ctx), cls.create_worker_half(ctx)
-
     # ---- what the connector says of itself (callers never re-derive its defaults or aliases) ----
 
     @classmethod
