@@ -21,6 +21,7 @@ PUBLIC_ENGINE_MODULES = {
     "kvtool.engine.connectors.config",
     "kvtool.engine.connectors.registry",
     "kvtool.engine.connectors.lmcache.keys",
+    "kvtool.engine.connectors.lmcache.identity_digest",
     "kvtool.engine.connectors.lmcache.wire",
     "kvtool.engine.connectors.lmcache.probe",
     "kvtool.engine.connectors.offloading.connector",
