@@ -341,7 +341,7 @@ def blake3_identity_digest(model_dir: ModelDir, model: str | None, settings: LMC
     """The identity digest an engine on `model_dir` puts in its blake3 keys, at the settings' KV dtype
     and world size (make_identity_digest of the identity such an engine has)."""
     from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
-    from kvtool.engine.engine import identity_for_model
+    from kvtool.engine.identity import identity_for_model
     from kvtool.engine.params import EngineParams
 
     identity = identity_for_model(model_dir.path, EngineParams(model=model, device="cpu"))
