@@ -18,7 +18,7 @@ Sections:
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
               (the workload of `kvtool bench throughput`; --quick: 64 sequences)
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
-              local in-memory server in a separate process (tests/memory_lm_server.py); beside it,
+              local in-memory server in a separate process (tests/support/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
               engine, no GPU copy)
 
@@ -87,7 +87,7 @@ def record(section: str, metric: str, value: float, unit: str, floor: float | No
 
 
 def model_dir(preset: str) -> str:
-    from kvtool.engine.presets import create_model_dir
+    from kvtool.engine.presets.catalog import create_model_dir
 
     root = Path(tempfile.gettempdir()) / "kvtool-bench-models"
     d = root / preset
@@ -232,9 +232,9 @@ def section_kernels():
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kvtool.engine.attention.triton_ops import choose_num_splits, paged_decode
-    from kvtool.engine.attention.prefill import prefill_attention
-    from kvtool.engine.attention.triton_prefill import triton_prefill_attention
+    from kvtool.engine.kernels.attention.triton_ops import choose_num_splits, paged_decode
+    from kvtool.engine.kernels.attention.prefill import prefill_attention
+    from kvtool.engine.kernels.attention.triton_prefill import triton_prefill_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hq, hkv, d, bs, layers = 32, 8, 128, 16, 1
@@ -703,7 +703,7 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
 
 # ---- lm:// --------------------------------------------------------------------------------------
 
-MEMORY_LM_SERVER = REPO / "tests" / "memory_lm_server.py"
+MEMORY_LM_SERVER = REPO / "tests" / "support" / "memory_lm_server.py"
 
 
 def start_memory_lm_server() -> tuple[subprocess.Popen, int]:
@@ -723,8 +723,8 @@ def read_lm(port: int, length: int, first: int, step: int, chunks: int) -> None:
     with no engine, no other thread and no copy to the GPU. On each line of stdin it GETs the
     chunks first, first + step, ... (< chunks) into one buffer, every request sent at once, and
     prints the round's monotonic start and end."""
-    from kvtool.engine.connectors.lmcache.connection import Connection
-    from kvtool.engine.connectors.lmcache.protocol import Command, pack_request
+    from kvtool.engine.connectors.lmcache.stores.connection import Connection
+    from kvtool.engine.connectors.lmcache.stores.protocol import Command, pack_request
 
     conn = Connection("127.0.0.1", port)
     payload = memoryview(bytearray(length))
@@ -767,8 +767,8 @@ def put_raw(port: int, length: int, chunks: int) -> None:
     as the engine's chunks are."""
     import torch
 
-    from kvtool.engine.connectors.lmcache.client import LMClient
-    from kvtool.engine.connectors.lmcache.wire import kv_chunk_header
+    from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
+    from kvtool.engine.connectors.lmcache.stores.protocol import kv_chunk_header
 
     payload = os.urandom(length)
     header = kv_chunk_header((2, 1, 1, length // 4), torch.bfloat16)

@@ -50,7 +50,7 @@ def _model_params(engine: EngineParams, preset: str | None) -> Iterator[EnginePa
         return
     if engine.model is not None:
         raise ConfigError("give --model or --preset, not both")
-    from kvtool.engine.presets import create_model_dir
+    from kvtool.engine.presets.catalog import create_model_dir
 
     with tempfile.TemporaryDirectory(prefix="kvtool-bench-model-") as tmp:
         path = Path(tmp) / preset

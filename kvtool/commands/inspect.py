@@ -19,8 +19,8 @@ from rich.text import Text
 
 from kvtool.commands import render
 from kvtool.commands.options import JsonOpt, with_engine_options
-from kvtool.engine.connectors.offloading.identity import KVIdentity
-from kvtool.engine.connectors.offloading.tier_report import TierReport, scan, with_loadability
+from kvtool.engine.connectors.offloading.disk.tier_identity import KVIdentity
+from kvtool.engine.connectors.offloading.disk.tier_report import TierReport, scan, with_loadability
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams
 
@@ -86,7 +86,7 @@ def identity_for_model_dir(model_dir: Path, engine: EngineParams) -> KVIdentity:
     Raises the engine's own errors (ModelError, ConfigError) for a bad model dir or flags.
     """
     from kvtool.engine.connectors.offloading.connector import disk_identity, parse_settings
-    from kvtool.engine.identity import identity_for_model
+    from kvtool.engine.kv.identity import identity_for_model
 
     # The engine's identity; the tier's adds the offload block size from the connector config.
     identity = identity_for_model(model_dir, engine)

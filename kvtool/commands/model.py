@@ -7,7 +7,7 @@ import typer
 
 from kvtool.commands import render
 from kvtool.commands.options import JsonOpt
-from kvtool.engine.presets import PRESET_NAMES, create_model_dir
+from kvtool.engine.presets.catalog import PRESET_NAMES, create_model_dir
 
 
 def model_create(

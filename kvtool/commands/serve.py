@@ -84,7 +84,9 @@ def serve(
     """
     import uvicorn
 
-    from kvtool.server import ServerSettings, create_app, load_generation_defaults
+    from kvtool.server.app import create_app
+    from kvtool.server.context import ServerSettings
+    from kvtool.server.sampling import load_generation_defaults
 
     if uvicorn_log_level not in UVICORN_LOG_LEVELS:
         raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {uvicorn_log_level!r}")
@@ -101,7 +103,7 @@ def serve(
     sock = _bind(host, port)
     try:
         with open_engine(engine) as llm:
-            from kvtool.engine.default_model import DEFAULT_MODEL_NAME
+            from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME
 
             model = engine.model if engine.model is not None else DEFAULT_MODEL_NAME
             settings = ServerSettings(

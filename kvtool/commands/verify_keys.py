@@ -27,10 +27,10 @@ from kvtool.commands import render
 from kvtool.commands.options import JsonOpt, ModelOpt
 from kvtool.commands.token_files import read_token_file, read_token_sequences  # noqa: F401 (re-exported)
 from kvtool.engine.connectors.lmcache.keys import ChunkKey, LMCacheKeySettings, make_chunk_keys
-from kvtool.engine.default_model import DEFAULT_MODEL_NAME, is_default_model_ready, resolve_model_path
+from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME, is_default_model_ready, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError, PeerError
-from kvtool.engine.model_dir import ModelDir, open_model_dir
-from kvtool.peer import peer_python as default_peer_python
+from kvtool.engine.models.model_dir import ModelDir, open_model_dir
+from kvtool.peer.env import peer_python as default_peer_python
 from kvtool.peer.compare import KeyComparison, compare_with_peer, lmcache_request
 
 if TYPE_CHECKING:  # the probe needs torch, which only --peer should import
@@ -287,7 +287,7 @@ def verify_keys(
     if against_lmcache:
         lmcache_request([], settings)  # refuses blake3 before any work
     if peer is not None:
-        from kvtool.engine.connectors.lmcache.wire import parse_lm_url
+        from kvtool.engine.connectors.lmcache.stores.protocol import parse_lm_url
 
         parse_lm_url(peer)
     show_progress = not json_out and render.stderr.is_terminal
@@ -312,7 +312,7 @@ def verify_keys(
     probes = None
     if peer is not None:
         from kvtool.engine.connectors.lmcache.probe import make_chunk_geometry, probe_chunks
-        from kvtool.engine.connectors.lmcache.wire import LMClient
+        from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 
         geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size, worker_id)
         wanted = [(c.key, c.end - c.start) for chunks in ours for c in chunks]
@@ -341,7 +341,7 @@ def blake3_identity_digest(model_dir: ModelDir, model: str | None, settings: LMC
     """The identity digest an engine on `model_dir` puts in its blake3 keys, at the settings' KV dtype
     and world size (make_identity_digest of the identity such an engine has)."""
     from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
-    from kvtool.engine.identity import identity_for_model
+    from kvtool.engine.kv.identity import identity_for_model
     from kvtool.engine.params import EngineParams
 
     identity = identity_for_model(model_dir.path, EngineParams(model=model, device="cpu"))

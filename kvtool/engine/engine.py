@@ -14,19 +14,19 @@ import torch
 from kvtool import __version__
 from kvtool.engine.connectors.base import ConnectorContext, identity_of_rank
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
-from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.executor import Executor, build_executor, check_parallelism
-from kvtool.engine.hashing import make_none_hash, uint32_ids
-from kvtool.engine.identity import engine_identity, resolve_device, resolve_dtype
-from kvtool.engine.kv_cache_size import num_kv_blocks
-from kvtool.engine.messages import KVConnectorOutput
-from kvtool.engine.output_processor import OutputProcessor
+from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
+from kvtool.engine.core.hashing import make_none_hash, uint32_ids
+from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
+from kvtool.engine.kv.cache_size import num_kv_blocks
+from kvtool.engine.core.messages import KVConnectorOutput
+from kvtool.engine.core.output_processor import OutputProcessor
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.engine.request import Request
-from kvtool.engine.scheduler import Scheduler
-from kvtool.engine.structured_output import StructuredOutputs
+from kvtool.engine.core.request import Request
+from kvtool.engine.core.scheduler import Scheduler
+from kvtool.engine.core.structured_output import StructuredOutputs
 
 
 Progress = Callable[[str, float], None]
@@ -63,7 +63,7 @@ class LLMEngine:
     """
 
     def __init__(self, params: EngineParams, progress: Progress | None = None) -> None:
-        from kvtool.engine.model_dir import open_model_dir
+        from kvtool.engine.models.model_dir import open_model_dir
 
         self.params = params
         self.device = resolve_device(params.device)
@@ -145,7 +145,7 @@ class LLMEngine:
         if params.kv_events_config is None:
             return None
         # pyzmq is loaded only by an engine that publishes.
-        from kvtool.engine.kv_event_publisher import open_kv_event_stream
+        from kvtool.engine.events.publisher import open_kv_event_stream
 
         kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
         if kv_events is not None:

@@ -9,8 +9,8 @@ import msgspec
 
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.kv_events_config import KVEventsConfig, parse_kv_events_config  # noqa: F401 (re-exported for the commands)
-from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
+from kvtool.engine.events.config import KVEventsConfig, parse_kv_events_config  # noqa: F401 (re-exported for the commands)
+from kvtool.engine.config.sizes import MAX_SIZE_BYTES, check_fits_memory
 
 MAX_BLOCK_SIZE = 1024
 MAX_SEED = 2**64 - 1

@@ -5,7 +5,3 @@ builds; `lmcache_keys.py`, `lmcache_client.py` and `lmcache_store_client.py` are
 scripts that interpreter runs by file path (the two clients share `lmcache_objects.py`), so tests
 and `verify-keys` can compare kvtool against LMCache's own code.
 """
-
-from kvtool.peer.env import PEER_TELEMETRY_OFF, is_peer_ready, peer_env, peer_python, peer_script, peer_venv
-
-__all__ = ["PEER_TELEMETRY_OFF", "is_peer_ready", "peer_env", "peer_python", "peer_script", "peer_venv"]

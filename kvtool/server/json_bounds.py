@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from kvtool.engine.config_json import json_value_excess
+from kvtool.engine.config.json_document import json_value_excess
 
 # Deep enough for any real JSON schema, tool list or template argument, far from the recursion
 # limits of the parsers behind it.

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from kvtool.engine.identity import resolve_device, resolve_dtype
+from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.errors import ModelError
 from kvtool.engine.params import EngineParams
 
@@ -68,7 +68,7 @@ class HFBaseline:
         return self.dtype == torch.float32
 
     def _load_dummy(self, model: torch.nn.Module, path: Path, seed: int) -> None:
-        from kvtool.engine.model_dir import open_model_dir
+        from kvtool.engine.models.model_dir import open_model_dir
         from kvtool.engine.models import iter_dummy_tensors
 
         params = dict(model.named_parameters())

@@ -15,9 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtool.engine.connectors.lmcache.wire import LMClient, parse_lm_url
+from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
+from kvtool.engine.connectors.lmcache.stores.protocol import parse_lm_url
 from kvtool.engine.errors import ConfigError, PeerError
-from kvtool.peer import peer_env, peer_python
+from kvtool.peer.env import peer_env, peer_python
 from kvtool.workloads.local_process import HOST, free_port, stop_by_pid
 
 START_TIMEOUT_S = 120.0

@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError, KVToolError
-from kvtool.engine.identity import resolve_device, resolve_dtype
+from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.workloads.figures import rate
 from kvtool.workloads.trace_pass import free_device_memory, reset_prefix_cache
@@ -179,7 +179,7 @@ def run_hf_throughput(params: EngineParams, seqs: list[Sequence], batch_size: in
 def run_throughput(params: EngineParams, settings: ThroughputSettings, engines: list[str],
                    progress: Progress | None = None) -> ThroughputReport:
     """The workload through each of `engines` ("kvtool", "hf"), in that order."""
-    from kvtool.engine.model_dir import open_model_dir
+    from kvtool.engine.models.model_dir import open_model_dir
 
     for name in engines:
         if name not in ENGINES:

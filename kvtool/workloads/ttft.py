@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.default_model import resolve_model_path
+from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, SamplingParams

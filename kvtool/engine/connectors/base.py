@@ -35,8 +35,8 @@ import msgspec
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.connectors.steps_in_flight import StepsInFlight
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.kv_pages import KVGeometry, KVPages
-from kvtool.engine.messages import (
+from kvtool.engine.kv.pages import KVGeometry, KVPages
+from kvtool.engine.core.messages import (
     KVConnectorCompletions,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -44,10 +44,10 @@ from kvtool.engine.messages import (
     TransferStats,
 )
 from kvtool.engine.outputs import CPUTierUsage
-from kvtool.engine.tp_layout import TPRank, kv_head_range
+from kvtool.engine.models.shard_layout import TPRank, kv_head_range
 
 if TYPE_CHECKING:
-    from kvtool.engine.request import Request
+    from kvtool.engine.core.request import Request
 
 __all__ = [
     "ConnectorContext",

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.sizes import format_bytes, parse_size
+from kvtool.engine.config.sizes import format_bytes, parse_size
 
 KeyKind = Literal["int", "float", "str", "bool", "size", "choice", "list", "object"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from kvtool.engine.messages import KVConnectorOutput
+from kvtool.engine.core.messages import KVConnectorOutput
 
 M = TypeVar("M")
 

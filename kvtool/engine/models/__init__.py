@@ -24,12 +24,12 @@ import torch
 from safetensors import safe_open
 
 from kvtool.engine.errors import ConfigError, ModelError
-from kvtool.engine.model_dir import ModelConfig, ModelDir, weight_files
+from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
-from kvtool.engine.tp_layout import TPRank, check_tp_fits
+from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 
 __all__ = [
     "CausalLM", "MODEL_CLASSES", "RankHeads", "build_model", "iter_dummy_tensors", "parameter_shapes",

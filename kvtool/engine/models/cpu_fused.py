@@ -13,7 +13,7 @@ Every parameter keeps its name and shape (the fused weights are concatenations, 
 projection's parameter is re-pointed at its slice, so nothing is duplicated); `cpu_gemm` may
 then move the products onto oneDNN-reordered weights. Every operation is per row, so a row's
 bits still do not depend on the rows computed with it; they differ from the plain modules' by
-rounding only (float32 logits stay within tests/integration/test_logits_vs_hf.py's tolerance of
+rounding only (float32 logits stay within tests/engine/models/test_logits_vs_hf.py's tolerance of
 transformers').
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtool.engine.attention import attend, attend_rows
+from kvtool.engine.kernels.attention import attend, attend_rows
 from kvtool.engine.models.cpu_gemm import CpuLinear
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, GatedMLP, RMSNorm, concat_linear_params, pad_rows_on_cpu
 from kvtool.engine.models.llama import LlamaAttention

@@ -11,7 +11,7 @@ weight and frees the dense matrix that only that product read (the embedding sta
 tied LM head is the embedding, so it gets a reordered copy); `fast_paths.apply_fast_paths`
 calls it once, before the first step. A row's bits through oneDNN do not depend on how many
 rows are computed with it, for the row counts the CPU path uses (multiples of ROW_MULTIPLE);
-they differ from MKL's by rounding only. tests/unit/test_cpu_gemm.py checks both on the
+they differ from MKL's by rounding only. tests/engine/models/test_cpu_gemm.py checks both on the
 machine that runs it.
 
 Where torch has no oneDNN, or refuses to reorder a weight, and for any dtype but float32, a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtool.engine.attention import ROW_MULTIPLE
+from kvtool.engine.kernels.attention import ROW_MULTIPLE
 
 # Candidates for a model's `few_rows_multiple`, tried in order; each divides ROW_MULTIPLE.
 FEW_ROWS_MULTIPLES = (4, 8)

@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 import torch
 
-from kvtool.engine.attention import ROW_MULTIPLE, select_backend
+from kvtool.engine.kernels.attention import ROW_MULTIPLE, select_backend
 from kvtool.engine.models.layers import CausalLM
 
 Kernels = Literal["reference", "cpu", "triton"]
@@ -85,7 +85,7 @@ def apply_fast_paths(
     if fused and device.type == "cpu":
         return _apply_cpu(model)
     if fused and backend != "reference" and select_backend(device, dtype, model.config.head_dim) == "cuda":
-        from kvtool.engine.fused_ops import can_fuse
+        from kvtool.engine.models.fused_ops import can_fuse
 
         if can_fuse(model):
             return _apply_cuda(model)
@@ -127,7 +127,7 @@ def _apply_cpu(model: CausalLM) -> FastPaths:
 
 
 def _apply_cuda(model: CausalLM) -> FastPaths:
-    from kvtool.engine.fused_ops import apply_fused_ops
+    from kvtool.engine.models.fused_ops import apply_fused_ops
 
     done = apply_fused_ops(model)
     fused_qkv = done.num_attention > 0 and done.attention == done.num_attention

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtool.engine.attention import ROW_MULTIPLE
-from kvtool.engine.model_dir import ModelConfig
+from kvtool.engine.kernels.attention import ROW_MULTIPLE
+from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.parallel import RowParallelLinear, VocabParallelEmbedding, gather_vocab
-from kvtool.engine.tp_layout import TPRank, split_range
+from kvtool.engine.models.shard_layout import TPRank, split_range
 
 
 def pad_rows_on_cpu(x: torch.Tensor, few: int = ROW_MULTIPLE) -> torch.Tensor:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvtool.engine.attention import attend
-from kvtool.engine.model_dir import ModelConfig
+from kvtool.engine.kernels.attention import attend
+from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, apply_rotary
 from kvtool.engine.models.parallel import RowParallelLinear, rank_heads
-from kvtool.engine.tp_layout import TPRank
+from kvtool.engine.models.shard_layout import TPRank
 
 
 class LlamaAttention(nn.Module):

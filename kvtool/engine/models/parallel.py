@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvtool.engine.model_dir import ModelConfig
-from kvtool.engine.tp_layout import TPRank, kv_head_range, query_head_range, split_range
+from kvtool.engine.models.model_dir import ModelConfig
+from kvtool.engine.models.shard_layout import TPRank, kv_head_range, query_head_range, split_range
 
 __all__ = [
     "RankHeads",

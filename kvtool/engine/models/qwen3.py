@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.engine.attention import attend
-from kvtool.engine.model_dir import ModelConfig
+from kvtool.engine.kernels.attention import attend
+from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, RMSNorm, apply_rotary
 from kvtool.engine.models.llama import LlamaAttention
-from kvtool.engine.tp_layout import TPRank
+from kvtool.engine.models.shard_layout import TPRank
 
 
 class Qwen3Attention(LlamaAttention):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from kvtool.engine.connectors.lmcache.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, PeerError
-from kvtool.engine.kv_pages import KVGeometry
-from kvtool.engine.tp_layout import TPRank, kv_head_range
+from kvtool.engine.kv.pages import KVGeometry
+from kvtool.engine.models.shard_layout import TPRank, kv_head_range
 
 __all__ = ["ChunkGeometry", "chunk_geometry_of_pages", "chunk_geometry_of_rank", "chunk_problem"]
 

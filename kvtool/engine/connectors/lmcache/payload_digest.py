@@ -22,7 +22,7 @@ import blake3
 
 import torch
 
-from kvtool.engine.connectors.lmcache.wire import Buffer, ChunkHeader, kv_chunk_header
+from kvtool.engine.connectors.lmcache.stores.protocol import Buffer, ChunkHeader, kv_chunk_header
 from kvtool.engine.errors import KVRefused
 
 DIGEST_TAG = ("kvtool-digest", "b3")

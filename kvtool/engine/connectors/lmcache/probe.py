@@ -12,10 +12,11 @@ from kvtool.engine.connectors.lmcache.chunk_fit import (  # noqa: F401 (re-expor
     chunk_geometry_of_rank,
     chunk_problem,
 )
-from kvtool.engine.connectors.lmcache.wire import LMClient, tensor_buffer, torch_dtype_from_code
+from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
+from kvtool.engine.connectors.lmcache.stores.protocol import tensor_buffer, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, PeerError
-from kvtool.engine.model_dir import ModelConfig
-from kvtool.engine.tp_layout import TPRank
+from kvtool.engine.models.model_dir import ModelConfig
+from kvtool.engine.models.shard_layout import TPRank
 
 # A GET reads a whole chunk (the protocol has no header-only read) into one buffer of
 # READ_HEADROOM x the largest expected chunk, at most MAX_READ_BYTES: a chunk up to that

@@ -10,9 +10,9 @@ import msgspec
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
 from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings, check_request_tags
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
-from kvtool.engine.connectors.lmcache.store import store_address
+from kvtool.engine.connectors.lmcache.stores.store import store_address
 from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.tp_layout import TPRank
+from kvtool.engine.models.shard_layout import TPRank
 
 CONNECTOR = "LMCacheConnector"
 DEFAULT_HOST = "127.0.0.1"

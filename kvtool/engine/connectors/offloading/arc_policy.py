@@ -13,7 +13,7 @@ shrinks p by max(1, |B1| / |B2|), as in the paper. A one-time scan therefore was
 and never evicts T2, where a chunk that requests keep reusing lives; LRU would evict it.
 
 The rules follow vLLM 0.33's `arc` eviction_policy (the same hits and evictions on the same
-accesses; tests/unit/test_arc_policy.py checks it against vLLM's own), which departs from the
+accesses; tests/engine/connectors/offloading/test_arc_policy.py checks it against vLLM's own), which departs from the
 paper in three ways, kept here for vLLM's meaning:
 
   * a key re-stored after a ghost hit enters T1, not T2: only a reuse makes a key frequent;

@@ -15,9 +15,9 @@ import logging
 
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVConnector, identity_of_rank
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool, plan_num_slots
-from kvtool.engine.connectors.offloading.disk_index import DiskIndex
-from kvtool.engine.connectors.offloading.disk_tier import DiskTier
-from kvtool.engine.connectors.offloading.identity import KVIdentity, make_identity
+from kvtool.engine.connectors.offloading.disk.disk_index import DiskIndex
+from kvtool.engine.connectors.offloading.disk.disk_tier import DiskTier
+from kvtool.engine.connectors.offloading.disk.tier_identity import KVIdentity, make_identity
 from kvtool.engine.connectors.offloading.scheduler import OffloadingScheduler, block_hash_of
 from kvtool.engine.connectors.offloading.settings import OffloadingSettings, parse_settings
 from kvtool.engine.connectors.offloading.worker import OffloadingWorker

@@ -21,7 +21,7 @@ import torch
 
 from kvtool.engine.connectors.offloading.arc_policy import ARCPolicy
 from kvtool.engine.connectors.offloading.eviction import EvictionPolicy, LRUPolicy, RequestAccess
-from kvtool.engine.kv_pages import DTYPES, KVGeometry
+from kvtool.engine.kv.pages import DTYPES, KVGeometry
 
 
 # The eviction_policy names settings.py accepts (POLICY_NAMES), and what each builds.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvtool.engine.messages import KVConnectorCompletions, KVConnectorMetadata
+from kvtool.engine.core.messages import KVConnectorCompletions, KVConnectorMetadata
 
 
 class LoadJob(msgspec.Struct, kw_only=True):

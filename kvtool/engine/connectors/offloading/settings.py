@@ -24,7 +24,7 @@ from kvtool.engine.connectors.offloading.secondary_tiers import (
     parse_secondary_tiers,
 )
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.sizes import MAX_SIZE_BYTES, check_fits_memory
+from kvtool.engine.config.sizes import MAX_SIZE_BYTES, check_fits_memory
 
 CONNECTOR = "OffloadingConnector"
 MAX_OFFLOAD_BLOCK_TOKENS = 1 << 20

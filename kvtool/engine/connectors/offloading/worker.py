@@ -32,12 +32,12 @@ import torch
 
 from kvtool.engine.connectors.base import ConnectorContext, WorkerHalf
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool
-from kvtool.engine.connectors.offloading.disk_tier import DiskTier
+from kvtool.engine.connectors.offloading.disk.disk_tier import DiskTier
 from kvtool.engine.connectors.offloading.jobs import OffloadingCompletions
 from kvtool.engine.connectors.offloading.scheduler import block_hash_of
-from kvtool.engine.connectors.offloading.transfers import SlotTransfers
+from kvtool.engine.connectors.offloading.copy.transfers import SlotTransfers
 from kvtool.engine.errors import KVRefused
-from kvtool.engine.kv_pages import refuse_geometry_mismatch
+from kvtool.engine.kv.pages import refuse_geometry_mismatch
 
 logger = logging.getLogger("kvtool.offloading")
 

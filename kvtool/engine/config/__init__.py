@@ -1,0 +1,1 @@
+"""Config documents and sizes as vLLM reads them."""

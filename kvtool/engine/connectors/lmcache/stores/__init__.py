@@ -1,0 +1,1 @@
+"""Remote stores: LMCache's lm:// server, Redis, Redis Cluster and Valkey, and their wires."""

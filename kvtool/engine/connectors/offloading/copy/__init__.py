@@ -1,0 +1,1 @@
+"""Moving KV between the pages and host memory: layer and pitched copies, transfer plans."""

@@ -1,0 +1,1 @@
+"""The disk tier: its files, index, layout, identity header and report."""

@@ -1,0 +1,1 @@
+"""Compute kernels: attention, and the GEMMs and GEMVs the models route to."""

@@ -1,0 +1,282 @@
+"""Attention on CPU through torch's flash-attention CPU kernel, with rows that never depend on
+what they are computed with.
+
+The kernel (`aten._scaled_dot_product_flash_attention_for_cpu`) walks the keys in blocks of 512
+with an online softmax, and hands each block to BLAS in tiles of query rows. A query row's bits
+then depend on three things only, which this module fixes:
+
+* **its keys**: a row at absolute position p always attends the same number of keys,
+  `key_length(p)` (p + 1 rounded up to 64 below KEY_BLOCK, to 256 from there),
+  padded with zeros past the context and masked past p. The kernel then splits them into the
+  same blocks and runs the softmax and P @ V reductions over the same lengths, whatever the
+  context length of the step, the chunk the row is in, or the size of a prefix hit.
+* **the tile of rows BLAS sees**: BLAS computes few rows with other kernels than many (1 to 3
+  on AVX2 machines; 1 to 15 on AVX-512 and AMX ones, whose small-row kernels round
+  differently), so every prefill call gets a row count that is a multiple of ROW_MULTIPLE
+  (padded with zero rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then
+  multiples of it too. Inside this kernel only one row rounds otherwise (measured on AVX-512 and
+  AMX: 2 to 16 rows give the bits of a 64-row tile), so a decode call, whose rows are query
+  heads, is padded to a multiple of DECODE_ROW_MULTIPLE only.
+* **the batch**: each (batch, head, row tile) item is computed alone, one thread each, so a
+  sequence's rows come out the same whatever else is in the call.
+
+Prefill rows go through in tiles of the rows with one key length (64 positions below KEY_BLOCK,
+256 from there: close to causal cost), with the grouped-query heads of one KV head as the
+batch dimension, so q, K and V are views. Decode rows (one new token) are batched: sequences
+whose last row has the same key length share one call, a sequence's query heads of one KV head
+as its rows.
+`tests/engine/kernels/attention/test_cpu_identity.py` checks tokens and logprobs bit for bit end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.engine.kernels.attention.context import AttentionMetadata, SeqSpan
+
+KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
+# Key-length steps below KEY_BLOCK and from there (multiples of every CPU vector width). Finer
+# steps waste fewer masked keys; coarser ones put more decode sequences into one call.
+SHORT_STEP, LONG_STEP = 64, 256
+ROW_MULTIPLE = 16  # BLAS row (column) counts below 16 can take other code paths
+# A decode call's rows are one KV head's query heads. Inside the flash kernel a row's bits
+# depend on its tile only below 2 rows here (GEMV); AVX2 BLAS differs up to 3 rows in the
+# model's GEMMs, so a decode group is padded to a multiple of 4 (not of ROW_MULTIPLE: the
+# flash kernel's exponentials run on every padded row, and decode is most of a long run).
+DECODE_ROW_MULTIPLE = 4
+_PLAN_KEY = "cpu_flash_plan"
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def key_length(position: int) -> int:
+    """Keys a row at absolute `position` attends, padding included; also the end (exclusive) of
+    the positions that share that length."""
+    step = SHORT_STEP if position < KEY_BLOCK else LONG_STEP
+    return (position // step + 1) * step
+
+
+@dataclass(slots=True)
+class _Tile:
+    row_lo: int  # first row inside the sequence's new tokens
+    num_rows: int
+    num_padded: int  # num_rows rounded up to ROW_MULTIPLE
+    num_keys: int
+    mask: torch.Tensor  # [1, 1, num_padded, num_keys]: 0 where visible, -inf elsewhere
+
+
+@dataclass(slots=True)
+class _Prefill:
+    seq: SeqSpan
+    start: int  # first new position (tokens before it are read from the pages)
+    prefix_blocks: torch.Tensor | None  # page blocks covering [0, start)
+    keys: torch.Tensor  # [L, Hkv, D], reused by every layer; zero past the context
+    values: torch.Tensor
+    tiles: list[_Tile]
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    rows: torch.Tensor  # [B] long: rows of q
+    out_rows: torch.Tensor  # [B] long: rows of the result (`rows`, or 0..B-1 for `cpu_flash_rows`)
+    block_table: torch.Tensor  # [B * L / block_size] long, 0 past each sequence's blocks
+    past_context: torch.Tensor  # flat slots (of [B * L]) at or past each context: zeroed after the gather
+    mask: torch.Tensor  # [B, 1, 1, L]
+    num_keys: int  # L (the buffers may hold a few more: whole pages)
+    queries: torch.Tensor  # [B, Hkv, padded group size, D], zero past the group's heads
+    keys: torch.Tensor  # [B, L, Hkv, D]
+    values: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Plan:
+    prefills: list[_Prefill]
+    decodes: list[_DecodeGroup]
+
+
+def _causal_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    keys = torch.arange(num_keys, device=positions.device)
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    ninf = torch.full((), float("-inf"), dtype=dtype, device=positions.device)
+    return torch.where(keys[None, :] <= positions[:, None], zero, ninf)
+
+
+# A prefill tile's mask depends on (first position, rows, padded rows, keys) only, and prompts
+# keep meeting the same tiles: masks up to _MASK_CACHE_ELEMENTS are kept (read-only), at most
+# _MASK_CACHE_ENTRIES of them (about 64 MiB of float32 at most).
+_MASK_CACHE_ELEMENTS, _MASK_CACHE_ENTRIES = 256 * 1024, 64
+_tile_masks: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_mask(lo: int, hi: int, num_padded: int, num_keys: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """[1, 1, num_padded, num_keys] mask of the rows at positions [lo, hi) (padding rows repeat
+    the last) over num_keys keys."""
+    key = (lo, hi, num_padded, num_keys, dtype, dev)
+    mask = _tile_masks.get(key)
+    if mask is None:
+        pos = torch.arange(lo, lo + num_padded, device=dev).clamp_(max=hi - 1)
+        mask = _causal_mask(pos, num_keys, dtype)[None, None]
+        if num_padded * num_keys <= _MASK_CACHE_ELEMENTS:
+            if len(_tile_masks) >= _MASK_CACHE_ENTRIES:
+                _tile_masks.pop(next(iter(_tile_masks)))
+            _tile_masks[key] = mask
+    return mask
+
+
+def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
+    g = meta.kv_pages.geometry
+    bs = g.block_size
+    dev, dtype = q.device, q.dtype
+    hkv, d = g.num_kv_heads, g.head_dim
+    group = q.shape[1] // hkv
+    prefills: list[_Prefill] = []
+    by_length: dict[int, list[SeqSpan]] = {}
+    for s in meta.seqs:
+        if s.q_len == 1:
+            by_length.setdefault(key_length(s.ctx_len - 1), []).append(s)
+            continue
+        start = s.ctx_len - s.q_len
+        n_keys = key_length(s.ctx_len - 1)
+        tiles = []
+        lo = start
+        while lo < s.ctx_len:
+            hi = min(key_length(lo), s.ctx_len)
+            n, n_pad = hi - lo, _round_up(hi - lo, ROW_MULTIPLE)
+            tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _tile_mask(lo, hi, n_pad, key_length(lo), dtype, dev)))
+            lo = hi
+        prefix = s.block_ids[: -(-start // bs)] if start else None
+        # Whole pages fit (a block may be longer than KEY_BLOCK); flash reads num_keys of them.
+        length = _round_up(n_keys, bs)
+        prefills.append(_Prefill(
+            seq=s, start=start, prefix_blocks=prefix,
+            keys=torch.zeros((length, hkv, d), dtype=dtype, device=dev),
+            values=torch.zeros((length, hkv, d), dtype=dtype, device=dev),
+            tiles=tiles,
+        ))
+    return _Plan(prefills, _decode_groups(by_length, g, dev, dtype, group))
+
+
+def _decode_groups(by_length: dict[int, list[SeqSpan]], g, dev: torch.device, dtype: torch.dtype,
+                   group: int, out_rows: list[int] | None = None) -> list[_DecodeGroup]:
+    """One group per key length of one-row spans (their row: q_start; their position:
+    ctx_len - 1); `out_rows` (by span, in by_length's order) places the results elsewhere."""
+    bs, hkv, d = g.block_size, g.num_kv_heads, g.head_dim
+    decodes = []
+    at = 0
+    for n_keys, seqs in sorted(by_length.items()):
+        width = -(-n_keys // bs)
+        table = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+        for i, s in enumerate(seqs):
+            table[i, : s.block_ids.numel()] = s.block_ids
+        ctx = torch.tensor([s.ctx_len for s in seqs], device=dev)
+        slots = torch.arange(width * bs, device=dev)
+        past = (slots[None, :] >= ctx[:, None]).view(-1).nonzero().view(-1)
+        b = len(seqs)
+        rows = torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=dev)
+        decodes.append(_DecodeGroup(
+            rows=rows,
+            out_rows=rows if out_rows is None else torch.tensor(out_rows[at : at + b], dtype=torch.long, device=dev),
+            block_table=table.view(-1),
+            past_context=past,
+            mask=_causal_mask(ctx - 1, n_keys, dtype)[:, None, None, :],
+            num_keys=n_keys,
+            queries=torch.zeros((b, hkv, _round_up(group, DECODE_ROW_MULTIPLE), d), dtype=dtype, device=dev),
+            keys=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
+            values=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
+        ))
+        at += b
+    return decodes
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    return out
+
+
+def cpu_flash_attention(
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of the packed queries q [T, Hq, D] (T may exceed the step's tokens: rows past
+    them are padding and come back zero) over each sequence's keys: the pages for what came
+    before this step, k and v [T, Hkv, D] for the new tokens. The new tokens' K/V must already be
+    in the pages. Returns [T, Hq, D]."""
+    plan = meta.extra.get(_PLAN_KEY)
+    if plan is None:
+        plan = meta.extra[_PLAN_KEY] = _plan(meta, q)
+    pages = meta.kv_pages.tensor
+    k_pages, v_pages = pages[:, 0, layer], pages[:, 1, layer]  # [num_blocks, bs, Hkv, D]
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    out = torch.zeros_like(q) if t > sum(s.q_len for s in meta.seqs) else torch.empty_like(q)
+    for p in plan.prefills:
+        s = p.seq
+        keys, values = p.keys, p.values
+        if p.prefix_blocks is not None:
+            n = p.prefix_blocks.numel() * k_pages.shape[1]
+            shape = (p.prefix_blocks.numel(), k_pages.shape[1], hkv, d)
+            torch.index_select(k_pages, 0, p.prefix_blocks, out=keys[:n].view(shape))
+            torch.index_select(v_pages, 0, p.prefix_blocks, out=values[:n].view(shape))
+            if n > s.ctx_len:  # a chunk ending inside the prefix's last block: unwritten slots
+                keys[s.ctx_len : n] = 0
+                values[s.ctx_len : n] = 0
+        keys[p.start : s.ctx_len] = k[s.q_start : s.q_start + s.q_len]
+        values[p.start : s.ctx_len] = v[s.q_start : s.q_start + s.q_len]
+        for tile in p.tiles:
+            lo = s.q_start + tile.row_lo
+            rows = q[lo : lo + tile.num_rows]
+            if tile.num_padded != tile.num_rows:
+                rows = torch.cat([rows, rows.new_zeros((tile.num_padded - tile.num_rows, hq, d))])
+            # [G, Hkv, R, D]: query head h * G + g of KV head h is batch g.
+            q4 = rows.view(tile.num_padded, hkv, group, d).permute(2, 1, 0, 3)
+            k4 = keys[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
+            v4 = values[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
+            o = _flash(q4, k4, v4, tile.mask, scale)  # [G, Hkv, R, D]
+            out[lo : lo + tile.num_rows] = o[:, :, : tile.num_rows].permute(2, 1, 0, 3).reshape(tile.num_rows, hq, d)
+    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale)
+    return out
+
+
+def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: torch.Tensor, q: torch.Tensor,
+                 out: torch.Tensor, scale: float) -> None:
+    hkv, d = k_pages.shape[2], k_pages.shape[3]
+    hq = q.shape[1]
+    group = hq // hkv
+    for g in groups:
+        b, n_keys = g.keys.shape[0], g.num_keys
+        shape = (g.block_table.numel(), k_pages.shape[1], hkv, d)
+        torch.index_select(k_pages, 0, g.block_table, out=g.keys.view(shape))
+        torch.index_select(v_pages, 0, g.block_table, out=g.values.view(shape))
+        # Slots past a context hold whatever the pages had there (maybe not even numbers).
+        g.keys.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
+        g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
+        g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
+        k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
+        o = _flash(g.queries, k4, v4, g.mask, scale)  # [B, Hkv, Gp, D]
+        out.index_copy_(0, g.out_rows, o[:, :, :group].reshape(b, hq, d))
+
+
+def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the query rows `rows` ([S] long, rows of q [T, Hq, D]) only, each as a decode
+    row at its position (the bits it has in any prefill tile, `_plan`'s invariant). The step's
+    K/V must already be in the pages. Returns [S rounded up to ROW_MULTIPLE, Hq, D], zero past S."""
+    g = meta.kv_pages.geometry
+    by_length: dict[int, list[SeqSpan]] = {}
+    order: dict[int, list[int]] = {}
+    for i, r in enumerate(rows.tolist()):
+        s = next(s for s in meta.seqs if s.q_start <= r < s.q_start + s.q_len)
+        ctx = s.ctx_len - s.q_len + (r - s.q_start) + 1
+        n_keys = key_length(ctx - 1)
+        by_length.setdefault(n_keys, []).append(
+            SeqSpan(q_start=r, q_len=1, ctx_len=ctx, block_ids=s.block_ids[: -(-ctx // g.block_size)]))
+        order.setdefault(n_keys, []).append(i)
+    out_rows = [i for n in sorted(order) for i in order[n]]
+    groups = _decode_groups(by_length, g, q.device, q.dtype, q.shape[1] // g.num_kv_heads, out_rows)
+    pages = meta.kv_pages.tensor
+    out = q.new_zeros((_round_up(rows.numel(), ROW_MULTIPLE), *q.shape[1:]))
+    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale)
+    return out

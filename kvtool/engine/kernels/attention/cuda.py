@@ -1,0 +1,53 @@
+"""Attention on CUDA over the block-major pages.
+
+Per step and layer: one Triton kernel stores the new tokens' K/V (or the fused rope kernel
+before it did); the decode rows (q_len == 1) go through the Triton split-KV paged kernel (in
+batch-invariant mode, the fixed-tile one of `triton_tiles`); the prefill rows through the prefill
+kernel (`prefill`: Gluon on Hopper, Triton elsewhere), over the new K/V, or over K/V gathered
+from the pages when some sequence has a cached prefix. That kernel gives each row the same bits
+wherever the computation starts, so a prompt computed after a KV hit matches the same prompt
+computed whole."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.engine.kernels.attention import triton_ops
+from kvtool.engine.kernels.attention.context import AttentionMetadata, DeviceBatch
+from kvtool.engine.kernels.attention.prefill import prefill_attention
+from kvtool.engine.kernels.attention.triton_tiles import paged_decode_tiles
+
+
+def cuda_attention(
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    kv_stored: bool = False, out: torch.Tensor | None = None, batch: DeviceBatch | None = None,
+) -> torch.Tensor:
+    """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
+    Returns [T, Hq, D]: `out` when given, else a new tensor.
+
+    `batch` (default: the step's) says which rows q holds: the step's `sampled` batch takes q of
+    the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D]."""
+    db = meta.device_batch if batch is None else batch
+    pages = meta.kv_pages.tensor
+    if not kv_stored:
+        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
+    nd = db.num_decode
+    p = db.prefill
+    if out is None:
+        out = torch.empty_like(q)
+    if nd and db.tile_base is not None:
+        paged_decode_tiles(
+            q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
+            db.num_splits, out[:nd], db.decode_order,
+        )
+    elif nd:
+        triton_ops.paged_decode(
+            q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order
+        )
+    if p is not None:
+        if p.key_slots is not None:
+            kk, vv = triton_ops.gather_kv(pages, layer, p.key_slots)
+        else:
+            kk, vv = k[p.q_start :], v[p.q_start :]
+        prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :])
+    return out

@@ -1,0 +1,38 @@
+"""Reference paged attention in plain torch (CPU and CUDA): gather the pages, causal SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtool.engine.kernels.attention.context import AttentionMetadata
+
+
+def paged_attention_reference(
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of the packed queries q [T, Hq, D] over each sequence's pages. Returns [T, Hq, D].
+
+    The new tokens' K/V must already be in the pages. Causality is bottom-right aligned: query
+    row i of a sequence sits at absolute position ctx_len - q_len + i.
+    """
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    for s in meta.seqs:
+        k, v = meta.kv_pages.read_layer(layer, s.block_ids, s.ctx_len)  # [C, Hkv, D]
+        qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, Q, D]
+        k = k.transpose(0, 1).to(q.dtype)
+        v = v.transpose(0, 1).to(q.dtype)
+        # Grouped-query attention inside SDPA, as transformers computes it (same rounding).
+        gqa = num_heads != k.shape[0]
+        if s.q_len == s.ctx_len:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif s.q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
+        else:
+            pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
+            pos_k = torch.arange(s.ctx_len, device=q.device)
+            mask = pos_k[None, :] <= pos_q[:, None]  # [Q, C]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,153 @@
+"""Batch-invariant paged decode: split-KV attention over fixed tiles of TILE tokens.
+
+`triton_ops.paged_decode` cuts a sequence's context into as many splits as the batch leaves room
+for, so the same sequence rounds differently with one neighbour than with sixty. Here the
+context is cut into fixed tiles (tokens [TILE * t, TILE * t + TILE)): each tile runs its own
+online softmax from scratch and writes its (output, log-sum-exp) to its own slot, and a second
+kernel merges a sequence's tiles one after another in tile order. The number of programs per
+sequence still follows the batch (to fill the GPU), but it only decides which program computes
+which tiles, never what a tile computes: a row's bits depend on its context alone.
+
+Tile slots are flat: sequence b's tiles start at `tile_base[b]`, the exclusive prefix sum of
+ceil(context / TILE) (`context.tile_bases`), so the partials take one row per tile of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.engine.kernels.attention.context import TILE
+
+
+@triton.jit
+def _tile_partials_kernel(
+    q_ptr, stride_qt, stride_qh,
+    pages_ptr, layer_off, stride_blk, stride_kv, stride_tok, stride_h,
+    bt_ptr, stride_bt_row, stride_bt_col,
+    ctx_ptr, stride_ctx, base_ptr, stride_base,
+    mid_o_ptr, mid_lse_ptr, order_ptr,
+    num_q_heads, num_programs, qk_scale_log2,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each."""
+    kvh = tl.program_id(0)
+    b = tl.load(order_ptr + tl.program_id(1))
+    prog = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b * stride_ctx)
+    per = tl.cdiv(tl.cdiv(ctx, TILE_N), num_programs)
+    first = prog * per
+    start = first * TILE_N
+    end = tl.minimum((first + per) * TILE_N, ctx)
+    tile_base = tl.load(base_ptr + b * stride_base)
+
+    rows = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    row_mask = rows < GROUP
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    kv_base = pages_ptr + layer_off + kvh * stride_h
+    # One flat loop over the run (the loads pipeline across tile edges); the state is written
+    # out and reset at each tile's last block.
+    for t0 in range(start, end, BLOCK_N):
+        offs = t0 + tl.arange(0, BLOCK_N)
+        tmask = offs < end
+        blk = tl.load(bt_ptr + b * stride_bt_row + (offs // BLOCK_SIZE) * stride_bt_col, mask=tmask, other=0)
+        tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
+        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+        if ((t0 + BLOCK_N) % TILE_N == 0) | (t0 + BLOCK_N >= end):
+            idx = (tile_base + t0 // TILE_N) * num_q_heads + heads
+            tl.store(mid_o_ptr + idx[:, None].to(tl.int64) * D + d[None, :], acc / l[:, None], mask=row_mask[:, None])
+            tl.store(mid_lse_ptr + idx, m + tl.log2(l), mask=row_mask)
+            m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+            l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+            acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+
+
+@triton.jit
+def _merge_tiles_kernel(
+    mid_o_ptr, mid_lse_ptr, ctx_ptr, stride_ctx, base_ptr, stride_base, o_ptr, stride_ot, stride_oh,
+    num_q_heads, D: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """Merge the tiles of one (sequence, query head) in tile order; no tile: a zero row."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.cdiv(tl.load(ctx_ptr + b * stride_ctx), TILE_N)
+    tile_base = tl.load(base_ptr + b * stride_base)
+    d = tl.arange(0, D)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for t in range(0, n):
+        idx = (tile_base + t) * num_q_heads + h
+        lse = tl.load(mid_lse_ptr + idx + tl.arange(0, 1))
+        o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        l = l * alpha + w
+        acc = acc * alpha + o * w
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def paged_decode_tiles(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    tile_base: torch.Tensor,
+    num_tiles: int,
+    scale: float,
+    num_programs: int,
+    out: torch.Tensor,
+    order: torch.Tensor,
+) -> None:
+    """`triton_ops.paged_decode` with each row's bits independent of the batch.
+
+    tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
+    batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
+    int32: the launch order of the rows (a permutation)."""
+    from kvtool.engine.kernels.attention.triton_ops import _check_pages
+
+    bs, hkv, d, stride_l = _check_pages(pages)
+    b, hq, _ = q.shape
+    if b == 0:
+        return
+    group = hq // hkv
+    slots = max(1, num_tiles)
+    mid_o = torch.empty((slots, hq, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((slots, hq), dtype=torch.float32, device=q.device)
+    if order.stride(0) != 1:
+        order = order.contiguous()
+    _tile_partials_kernel[(hkv, b, num_programs)](
+        q, q.stride(0), q.stride(1),
+        pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
+        block_table, block_table.stride(0), block_table.stride(1),
+        context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
+        mid_o, mid_lse, order,
+        hq, num_programs, scale * 1.4426950408889634,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, num_warps=2, num_stages=3,
+    )
+    _merge_tiles_kernel[(b, hq)](
+        mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
+        out, out.stride(0), out.stride(1), hq, D=d, TILE_N=TILE, num_warps=4,
+    )

@@ -1,0 +1,43 @@
+"""How big the KV pages are: one rank's geometry, and how many blocks every rank gets.
+
+Every rank holds the same number of blocks (a block id means the same tokens on every rank), so
+the engine takes as many as the rank with the least room can hold, at rank 0's geometry (rank 0
+holds the most KV heads when they do not divide evenly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.engine.errors import ConfigError
+from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry
+from kvtool.engine.params import EngineParams
+from kvtool.engine.models.shard_layout import TPRank, kv_head_range
+
+
+def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) -> KVGeometry:
+    """The geometry of one rank's KV pages: the model's layers, the rank's share of its KV heads."""
+    return KVGeometry(
+        num_layers=config.num_layers,
+        num_kv_heads=kv_head_range(config.num_kv_heads, tp)[1],
+        head_dim=config.head_dim,
+        block_size=block_size,
+        dtype=DTYPE_NAMES[dtype],
+    )
+
+
+def num_kv_blocks(params: EngineParams, config, dtype: torch.dtype, max_model_len: int, available: list[int]) -> int:
+    """KV blocks per rank (--num-gpu-blocks when given); available: each rank's bytes for KV pages."""
+    if params.num_gpu_blocks is not None:
+        return params.num_gpu_blocks
+    geometry = rank_kv_geometry(config, params.block_size, dtype, TPRank(params.tensor_parallel_size, 0))
+    n = min(available) // geometry.bytes_per_block
+    # More blocks than any set of max_num_seqs full-length requests can use is waste.
+    cap = params.max_num_seqs * -(-max_model_len // geometry.block_size) + 1
+    n = min(n, cap)
+    if n < 1:
+        raise ConfigError(
+            f"no room for KV blocks ({geometry.bytes_per_block} bytes each); "
+            "raise --kv-cache-memory / --gpu-memory-utilization or set --num-gpu-blocks"
+        )
+    return n

@@ -1,0 +1,345 @@
+"""Reading Hugging Face model directories: config, tokenizer, weight files, and their digests.
+
+A directory holds:
+
+    config.json                     architecture and sizes (classic or transformers-5 form, both read)
+    generation_config.json          bos/eos as generation uses them (optional)
+    tokenizer.json, tokenizer_config.json, chat_template.jinja    (see tokenizer.py)
+    model.safetensors                        one file, or
+    model.safetensors.index.json + shards    sharded weights (weight_map: tensor name -> file)
+
+`open_model_dir` reads everything but the weights; `models.build_model` loads those. Weights may
+be absent: a directory written with --config-only serves --load-format dummy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import msgspec
+
+from kvtool.engine.kv.dtypes import canonical_dtype
+from kvtool.engine.errors import ModelError
+from kvtool.engine.models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What kvtool needs from config.json, normalised across the two forms found in the wild.
+
+    Classic form: `rope_theta`, `rope_scaling`, `torch_dtype`. Transformers-5 form:
+    `rope_parameters` (theta and scaling in one dict), `dtype`.
+    """
+
+    architecture: str  # "LlamaForCausalLM" | "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; otherwise {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str  # dtype the weights were saved in: "float32" | "bfloat16" | "float16"
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    # Always None for the supported configs (sliding-window directories are refused); kept for identity.
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDir:
+    """An opened model directory. Created by `open_model_dir`; read-only afterwards."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any]  # generation_config.json as read ({} when absent)
+
+
+def cache_dir() -> Path:
+    """The per-user cache: $KVTOOL_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/kvtool. Not created here."""
+    explicit = os.environ.get("KVTOOL_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvtool"
+
+
+def open_model_dir(path: str | os.PathLike[str]) -> ModelDir:
+    """Read config.json, generation_config.json and the tokenizer of a directory.
+
+    Weights are not touched (see `weight_files` and `models.build_model`). Raises ModelError with
+    a one-line message naming the file for: a missing directory, missing or invalid config.json,
+    an unsupported architecture or RoPE type, inconsistent sizes, and tokenizer problems.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ModelError(f"{root}: model directory not found")
+    if not root.is_dir():
+        raise ModelError(f"{root}: not a directory (--model takes a Hugging Face model directory)")
+    raw = _read_json(root / "config.json", required=True)
+    gen = _read_json(root / "generation_config.json", required=False)
+    config = parse_config(raw, gen, where=root / "config.json")
+    tokenizer = Tokenizer.from_dir(root)
+    highest_id = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if highest_id >= config.vocab_size:
+        raise ModelError(
+            f"{root / 'tokenizer.json'}: token id {highest_id} is outside config.json's vocab_size {config.vocab_size}"
+        )
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = msgspec.structs.replace(config, eos_token_ids=[tokenizer.eos_token_id])
+    if config.bos_token_id is None and tokenizer.bos_token_id is not None:
+        config = msgspec.structs.replace(config, bos_token_id=tokenizer.bos_token_id)
+    return ModelDir(path=root, config=config, tokenizer=tokenizer, generation_config=gen)
+
+
+def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, where: Path | str = "config.json") -> ModelConfig:
+    """Normalise a config.json dict (either form) into a ModelConfig. Raises ModelError naming `where`."""
+    generation = generation or {}
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = archs[0]
+    else:
+        arch = _ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type", ""), raw.get("model_type"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"{where}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def get(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        value = raw.get(key, default)
+        if value is ...:
+            raise ModelError(f"{where}: missing required key {key!r}")
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+            raise ModelError(f"{where}: {key!r} has the wrong type ({type(value).__name__}: {value!r})")
+        return value
+
+    hidden = get("hidden_size", int)
+    num_heads = get("num_attention_heads", int)
+    num_kv_heads = get("num_key_value_heads", int, None) or num_heads
+    # Llama derives head_dim from the hidden size; Qwen3's config class defaults it to 128.
+    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // max(num_heads, 1)
+    head_dim = get("head_dim", int, None) or default_head_dim
+    for key, value in (("hidden_size", hidden), ("num_attention_heads", num_heads),
+                       ("num_key_value_heads", num_kv_heads), ("head_dim", head_dim)):
+        if value <= 0:
+            raise ModelError(f"{where}: {key!r} must be positive, got {value}")
+    if num_heads % num_kv_heads:
+        raise ModelError(f"{where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    if head_dim % 2:
+        raise ModelError(f"{where}: head_dim={head_dim} must be even for rotary embeddings")
+    if get("hidden_act", str, "silu") != "silu":
+        raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
+    if get("mlp_bias", bool, False):
+        raise ModelError(f"{where}: mlp_bias=true is not supported")
+    sliding_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
+    layer_types = get("layer_types", list, None) or []
+    if sliding_window is not None or any(t != "full_attention" for t in layer_types):
+        raise ModelError(f"{where}: sliding-window attention is not supported")
+
+    rope_theta, rope_scaling = _parse_rope(raw, where)
+    dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
+    dtype = canonical_dtype(dtype_name)
+    if dtype is None:
+        raise ModelError(f"{where}: unsupported dtype {dtype_name!r}")
+
+    bos = generation.get("bos_token_id", raw.get("bos_token_id"))
+    eos = generation.get("eos_token_id")
+    if eos is None:
+        eos = raw.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(i, int) for i in eos_ids) or (bos is not None and not isinstance(bos, int)):
+        raise ModelError(f"{where}: bos_token_id/eos_token_id must be integers")
+
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=get("vocab_size", int),
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size", int),
+        num_layers=get("num_hidden_layers", int),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=get("max_position_embeddings", int, 32768 if arch == "Qwen3ForCausalLM" else 2048),
+        tie_word_embeddings=get("tie_word_embeddings", bool, False),
+        attention_bias=get("attention_bias", bool, False),
+        torch_dtype=dtype,
+        bos_token_id=bos,
+        eos_token_ids=eos_ids,
+        sliding_window=None,
+    )
+
+
+def _parse_rope(raw: dict[str, Any], where: Path | str) -> tuple[float, dict[str, Any] | None]:
+    # Transformers 5 folds rope_theta into rope_parameters; the classic form keeps them apart.
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+    elif not isinstance(params, dict):
+        raise ModelError(f"{where}: 'rope_parameters' must be an object")
+    else:
+        params = dict(params)
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = raw.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelError(f"{where}: partial_rotary_factor={partial} is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ModelError(f"{where}: unsupported rope type {rope_type!r} (supported: default, llama3)")
+    try:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(params["factor"]),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_position_embeddings": int(
+                params.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+            ),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{where}: llama3 rope scaling lacks or mistypes {e}") from None
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ModelError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return float(theta), scaling
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelError(f"{path}: missing (not a Hugging Face model directory?)")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: invalid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return data
+
+
+def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a directory and, when sharded, the index's tensor -> file map.
+
+    Returns (files sorted by name, weight_map or None). Raises ModelError when there are no weights,
+    the index is malformed, or it names a file that does not exist.
+    """
+    path = Path(path)
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        index = _read_json(index_path, required=True)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        for name, file in weight_map.items():
+            if "/" in file or not (path / file).is_file():
+                raise ModelError(f"{index_path}: tensor {name!r} is listed in {file!r}, which is missing")
+        return sorted((path / f for f in set(weight_map.values())), key=lambda p: p.name), dict(weight_map)
+    files = sorted(path.glob("*.safetensors"), key=lambda p: p.name)
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors weight files (use --load-format dummy for random weights)")
+    return files, None
+
+
+def config_digest(config: ModelConfig) -> str:
+    """sha256 hex of the config's canonical JSON (sorted keys): part of every cache identity."""
+    return hashlib.sha256(msgspec.json.encode(config, order="sorted")).hexdigest()
+
+
+def weights_digest(model_dir: ModelDir, load_format: str = "auto", seed: int = 0) -> str:
+    """Identity of the weights an engine will run: "dummy-seed-N" for random weights, else blake3.
+
+    The blake3 digest covers every safetensors file's bytes: one digest per file, then a digest
+    over the sorted "name:digest" lines. Per-file digests are remembered in
+    <cache>/weights-digests.json, keyed by (path, size, mtime), so each file is read once.
+    Raises ModelError when the directory has no weights.
+    """
+    if load_format == "dummy":
+        return f"dummy-seed-{seed}"
+    files, _ = weight_files(model_dir.path)
+    memo_path = cache_dir() / "weights-digests.json"
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+        if not isinstance(memo, dict):
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    lines = []
+    changed = False
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        digest = memo.get(key)
+        if not isinstance(digest, str):
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            h.update_mmap(f)
+            digest = memo[key] = h.hexdigest()
+            changed = True
+        lines.append(f"{f.name}:{digest}\n")
+    if changed:
+        # Forget files that are gone or rewritten since (test directories, new downloads).
+        memo = {k: v for k, v in memo.items() if _is_current_key(k)}
+        _write_json_atomic(memo_path, memo)
+    return blake3.blake3("".join(lines).encode()).hexdigest()
+
+
+def _is_current_key(key: str) -> bool:
+    path, size, mtime_ns = key.rsplit("|", 2)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return f"{st.st_size}|{st.st_mtime_ns}" == f"{size}|{mtime_ns}"
+
+
+def make_temp_dir_beside(target: Path) -> Path:
+    """An empty directory next to `target`, to be renamed onto it once complete (same filesystem).
+
+    Its mode is a model directory's usual 0755, not mkdtemp's private 0700.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    os.chmod(tmp, 0o755)
+    return tmp
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    # A lost update only costs a recomputation; a torn file would cost a wrong digest, so rename.
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        # A read-only cache costs a recomputation next time, never a wrong digest.
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

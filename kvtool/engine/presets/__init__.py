@@ -1,0 +1,1 @@
+"""Model presets (`kvtool model create`) and the embedded default model."""

@@ -1,0 +1,362 @@
+"""Model presets and `create_model_dir`: write a real Hugging Face directory that transformers loads too.
+
+Presets:
+
+    tiny                    Qwen3, ~3.3M parameters, 512-id vocabulary: tests and CPU smoke runs
+    qwen3-0.6b, qwen3-8b    the public Qwen3 config.json values, random weights
+    llama-3.1-8b            the public Llama-3.1-8B-Instruct config.json values, random weights
+    smollm2-135m-instruct   the real SmolLM2-135M-Instruct, converted from the embedded GGUF
+
+The random presets ship a byte-level tokenizer built with the `tokenizers` library: one id per
+byte (ids 0..255), so any text round-trips, plus the family's special tokens at their real ids
+(ChatML for Qwen3, Llama 3's header/eot tokens). The config keeps the real vocab_size, so the ids
+between 256 and the special tokens exist in the embedding but never come out of encode (they
+decode to nothing). The 8B presets are meant for `--load-format dummy` on a GPU: with
+--config-only only config.json, generation_config.json and the tokenizer files are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+from kvtool.engine.kv.dtypes import canonical_dtype
+from kvtool.engine.errors import ConfigError, ModelError
+from kvtool.engine.models.model_dir import INDEX_FILE, ModelConfig, make_temp_dir_beside, parse_config
+from kvtool.engine.models.tokenizer import CHATML_TEMPLATE
+
+Progress = Callable[[str, float], None]
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+class TokenizerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The byte-level tokenizer of a random preset: special tokens at fixed ids, and a chat template."""
+
+    special_tokens: dict[str, int]
+    bos_token: str | None
+    eos_token: str
+    pad_token: str | None = None
+    # Prepend bos_token on encode(add_special_tokens=True), as Llama 3's tokenizer does.
+    add_bos: bool = False
+    chat_template: str = CHATML_TEMPLATE
+
+
+class Preset(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str
+    hf_config: dict[str, Any]  # config.json as written (classic form)
+    generation_config: dict[str, Any]
+    tokenizer: TokenizerSpec
+
+
+class CreatedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What `create_model_dir` wrote."""
+
+    path: str
+    preset: str
+    architecture: str
+    num_parameters: int
+    num_bytes: int  # all files of the directory
+    files: list[str]
+    seed: int | None  # None for real weights
+    config_only: bool
+
+
+CHATML_SMALL = TokenizerSpec(
+    special_tokens={"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258},
+    bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+)
+_CHATML_QWEN3 = TokenizerSpec(
+    special_tokens={"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
+    bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+)
+_LLAMA3 = TokenizerSpec(
+    special_tokens={
+        "<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|start_header_id|>": 128006,
+        "<|end_header_id|>": 128007, "<|eom_id|>": 128008, "<|eot_id|>": 128009,
+    },
+    bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", add_bos=True, chat_template=LLAMA3_TEMPLATE,
+)
+
+
+def _qwen3_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        **sizes,
+    }
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        description="Qwen3 architecture, ~3.3M random parameters, byte-level tokenizer",
+        hf_config=_qwen3_config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_window_layers=4, max_position_embeddings=4096,
+            tie_word_embeddings=True, vocab_size=512, bos_token_id=256, eos_token_id=258,
+            torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 256, "eos_token_id": [258, 256]},
+        tokenizer=CHATML_SMALL,
+    ),
+    "qwen3-0.6b": Preset(
+        name="qwen3-0.6b",
+        description="Qwen3-0.6B's public config, random weights",
+        hf_config=_qwen3_config(
+            hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, max_window_layers=28, tie_word_embeddings=True,
+        ),
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "qwen3-8b": Preset(
+        name="qwen3-8b",
+        description="Qwen3-8B's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_qwen3_config(
+            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, max_window_layers=36, tie_word_embeddings=False,
+        ),
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "llama-3.1-8b": Preset(
+        name="llama-3.1-8b",
+        description="Llama-3.1-8B-Instruct's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config={
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+            "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+            "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+            "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "use_cache": True, "vocab_size": 128256,
+        },
+        generation_config={"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+        tokenizer=_LLAMA3,
+    ),
+}
+DEFAULT_PRESET = "smollm2-135m-instruct"
+PRESET_NAMES = (*PRESETS, DEFAULT_PRESET)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's printable stand-ins for the 256 byte values: what the ByteLevel pre-tokenizer emits.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def build_byte_level_tokenizer(spec: TokenizerSpec) -> tokenizers.Tokenizer:
+    """A BPE tokenizer with no merges over the 256 byte symbols (ids 0..255) plus `spec`'s special tokens.
+
+    Every string encodes to its UTF-8 bytes (special-token strings aside) and decodes back exactly.
+    """
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab.update(spec.special_tokens)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
+    if spec.add_bos and spec.bos_token is not None:
+        bos = (spec.bos_token, spec.special_tokens[spec.bos_token])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
+    return tok
+
+
+def tokenizer_config_json(spec: TokenizerSpec, model_max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json for a byte-level tokenizer, readable by transformers 4 and 5."""
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.bos_token,
+        "eos_token": spec.eos_token,
+        "pad_token": spec.pad_token,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        # Also in chat_template.jinja; transformers releases before 4.50 read only this key.
+        "chat_template": spec.chat_template,
+    }
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def create_model_dir(
+    dir: str | os.PathLike[str],
+    preset: str,
+    seed: int = 0,
+    config_only: bool = False,
+    progress: Progress | None = None,
+) -> CreatedModel:
+    """Write preset `preset` as a Hugging Face directory at `dir` (created; must be absent or empty).
+
+    Random presets draw their weights from `seed` (the same values `--load-format dummy --seed N`
+    makes on CPU, saved in the config's dtype). `smollm2-135m-instruct` copies the default model,
+    converting it first if this user has not yet. The directory appears atomically: it is built
+    beside `dir` and renamed into place. progress(stage, fraction) is called as work proceeds.
+    Raises ConfigError for an unknown preset or a non-empty `dir`, ModelError when the default
+    model cannot be had.
+    """
+    if preset not in PRESET_NAMES:
+        raise ConfigError(f"unknown preset {preset!r} (choose from: {', '.join(PRESET_NAMES)})")
+    target = Path(dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"{target}: already exists and is not an empty directory")
+    tmp = make_temp_dir_beside(target)
+    try:
+        if preset == DEFAULT_PRESET:
+            _copy_default_model(tmp, config_only, progress)
+            seed_used = None
+        else:
+            p = PRESETS[preset]
+            write_random_model_dir(
+                tmp, p.hf_config, seed=seed, tokenizer=p.tokenizer, generation_config=p.generation_config,
+                config_only=config_only, progress=progress,
+            )
+            seed_used = None if config_only else seed
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    config = parse_config(json.loads((target / "config.json").read_text()), where=target / "config.json")
+    files = sorted(f.name for f in target.iterdir())
+    return CreatedModel(
+        path=str(target), preset=preset, architecture=config.architecture,
+        num_parameters=count_parameters(config), num_bytes=sum((target / f).stat().st_size for f in files),
+        files=files, seed=seed_used, config_only=config_only,
+    )
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Number of distinct parameters (a tied output matrix counted once)."""
+    from kvtool.engine.models import parameter_shapes
+
+    return sum(_numel(shape) for shape in parameter_shapes(config).values())
+
+
+def write_random_model_dir(
+    dir: Path,
+    hf_config: dict[str, Any],
+    *,
+    seed: int,
+    tokenizer: TokenizerSpec = CHATML_SMALL,
+    generation_config: dict[str, Any] | None = None,
+    config_only: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Progress | None = None,
+) -> ModelConfig:
+    """Write config.json, generation_config.json, the byte-level tokenizer and random weights into `dir`.
+
+    `hf_config` is written as given (either config form); weights come from
+    `models.iter_dummy_tensors(config, "cpu", seed)` cast to the config's dtype, in shards of at
+    most `max_shard_bytes` (several shards get a model.safetensors.index.json). Used by the
+    presets and by tests that need small models of their own shape. Raises ModelError when the
+    config is unsupported or its vocabulary cannot hold the tokenizer's ids.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from kvtool.engine.kv.pages import DTYPES
+    from kvtool.engine.models import iter_dummy_tensors, parameter_shapes
+
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    config = parse_config(hf_config, generation_config, where=dir / "config.json")
+    highest_id = max(tokenizer.special_tokens.values(), default=255)
+    if config.vocab_size <= highest_id:
+        raise ModelError(f"{dir / 'config.json'}: vocab_size {config.vocab_size} cannot hold token id {highest_id}")
+
+    (dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    gen = generation_config or {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
+    (dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    build_byte_level_tokenizer(tokenizer).save(str(dir / "tokenizer.json"))
+    tok_cfg = tokenizer_config_json(tokenizer, config.max_position_embeddings)
+    (dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    (dir / "chat_template.jinja").write_text(tokenizer.chat_template)
+    if config_only:
+        return config
+
+    dtype = DTYPES[canonical_dtype(config.torch_dtype)]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes = parameter_shapes(config)
+    # Plan shards up front so file names can carry the shard count.
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * _numel(shape)
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += nbytes
+    names = (
+        ["model.safetensors"] if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    values = iter_dummy_tensors(config, "cpu", seed)
+    weight_map: dict[str, str] = {}
+    done = 0
+    for file_name, members in zip(names, shards):
+        tensors = {}
+        for name in members:
+            got_name, value = next(values)
+            assert got_name == name  # one iteration order for plan and values
+            tensors[name] = value.to(dtype)
+            weight_map[name] = file_name
+            done += 1
+            if progress is not None:
+                progress("random weights", done / len(shapes))
+        save_file(tensors, str(dir / file_name), metadata={"format": "pt"})
+        os.chmod(dir / file_name, 0o644)  # safetensors creates files private to the owner
+    if len(shards) > 1:
+        total = sum(itemsize * _numel(s) for s in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return config
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _copy_default_model(dest: Path, config_only: bool, progress: Progress | None) -> None:
+    from kvtool.engine.presets.default_model import ensure_default_model
+
+    src = ensure_default_model(progress=progress)
+    for f in sorted(src.iterdir()):
+        if config_only and f.name.endswith(".safetensors"):
+            continue
+        shutil.copy2(f, dest / f.name)

@@ -1,0 +1,634 @@
+"""Runs one scheduled step: connector loads, the forward over the packed batch, sampling, stores.
+
+Two ways to run the forward, picked once from data (`attention.select_backend`):
+
+* reference (CPU, or CUDA without bf16/fp16 + Triton): per-sequence metadata, eager forward;
+* cuda: the step's index tensors are packed into one int32 host array and copied in with one
+  host-to-device copy; decode sequences (one new token each) come first. A step made only of
+  decode sequences replays a captured CUDA graph when the connector has no per-layer work; a
+  step of one prompt token alone (a full hit) replays graphs around its eager attention
+  (`prefill_graphs`), hooks or not; anything else runs eagerly through the same kernels.
+
+Sampling (`sampler.sample_on_device`) runs on the logits' device and leaves the token ids
+there; a seeded draw is reproducible whatever the batch and the device.
+
+The runner owns its batch state: per request, a block table, the sampling params, its seed and
+the tokens it has seen, built from `NewRequestData` and grown from each `ScheduledRequest`.
+It changes that state only from the scheduler's messages, never from the scheduler's objects,
+so a pickled copy of every step's message drives it identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvtool.engine.kernels.attention import (
+    AttentionMetadata,
+    DeviceBatch,
+    PrefillBatch,
+    SeqSpan,
+    attention_context,
+    select_backend,
+)
+from kvtool.engine.kernels.attention.context import longest_first, tile_bases
+from kvtool.engine.connectors.base import WorkerHalf
+from kvtool.engine.kv.pages import KVPages
+from kvtool.engine.core.messages import (
+    PLACEHOLDER_TOKEN,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
+from kvtool.engine.params import SamplingParams
+from kvtool.engine.worker.pinned_staging import PinnedStaging
+from kvtool.engine.worker.sampler import SampleRow, sample_on_device
+
+MAX_GRAPH_BATCH = 512
+# int32 entries per 16 bytes: where each segment of a packed step starts (`pack_step`).
+SEGMENT_ALIGN = 4
+
+
+class _ConnectorLayerHooks:
+    """Routes the attention layers' per-layer calls to the connector's worker half."""
+
+    def __init__(self, worker: WorkerHalf) -> None:
+        self.worker = worker
+
+    def before_layer(self, layer: int) -> None:
+        self.worker.wait_for_layer_load(layer)
+
+    def after_layer(self, layer: int) -> None:
+        self.worker.save_kv_layer(layer)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the runner keeps of one request between steps (its own copy, built from messages)."""
+
+    sampling: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+    # The tokens it has seen (prompt, then outputs), for the samplers that read history.
+    token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32))
+    num_blocks: int = 0
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        n = self.num_blocks + len(block_ids)
+        if n > len(self.table):
+            grown = np.zeros(max(n, 2 * len(self.table)), dtype=np.int32)
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
+            self.table = grown
+        self.table[self.num_blocks : n] = block_ids
+        self.num_blocks = n
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.table[: self.num_blocks]
+
+    def see(self, start: int, token_ids: list[int]) -> None:
+        """Record a step's tokens (known ones only: a placeholder's sample stays on the device)."""
+        end = start + len(token_ids)
+        if end > len(self.token_ids) and token_ids[-1] != PLACEHOLDER_TOKEN:
+            self.token_ids.extend(token_ids[len(self.token_ids) - start :])
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """One step's sampled tokens: rows in `req_ids` order, on the device or the host."""
+
+    req_ids: list[str]
+    tokens: torch.Tensor  # [S] int64
+    logprobs: dict[str, dict[int, float]]
+
+
+@dataclass(slots=True)
+class _CudaStep:
+    """A CUDA step split into its rows; `packed` once its inputs are on their way to the device."""
+
+    decode: list[ScheduledRequest]
+    prefill: list[ScheduledRequest]
+    rows: np.ndarray  # decode_rows of `decode`
+    packed: PackedStep | None = None
+
+
+class PendingOutput:
+    """A step the device may still be running. `result()` waits for it (one small copy, no other sync)."""
+
+    def __init__(self, sampled: SampledTokens | None, connector_output: KVConnectorOutput | None) -> None:
+        self._sampled = sampled
+        self._connector_output = connector_output
+        self._host: torch.Tensor | None = None
+        self._event = None
+        if sampled is not None and sampled.tokens.device.type == "cuda":
+            self._host = torch.empty(sampled.tokens.shape, dtype=sampled.tokens.dtype, pin_memory=True)
+            self._host.copy_(sampled.tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def connector_output(self) -> KVConnectorOutput | None:
+        """The step's connector output (known at once: the worker half's step is synchronous)."""
+        return self._connector_output
+
+    def result(self) -> ModelRunnerOutput:
+        s = self._sampled
+        if s is None:
+            return ModelRunnerOutput(connector_output=self._connector_output)
+        if self._event is not None:
+            self._event.synchronize()
+            tokens = self._host.tolist()
+        else:
+            tokens = s.tokens.tolist()
+        return ModelRunnerOutput(sampled=dict(zip(s.req_ids, tokens)), logprobs=s.logprobs,
+                                 connector_output=self._connector_output)
+
+
+class ModelRunner:
+    """Executes scheduled steps on one model and its KV pages.
+
+    `fast_paths`: what `models.fast_paths.apply_fast_paths` chose for the model (its fused
+    kernels, packed weights and GEMM routes); when None the runner applies them itself, here,
+    after the KV pages are sized. On the CUDA backend it also replays decode steps from CUDA
+    graphs (`use_cuda_graphs`, on by default, a switch for tests and benchmarks).
+
+    `batch_invariant` (CUDA): every step, decode ones too, asks for the row-invariant GEMMs for
+    its projections and logits and runs its decode attention over fixed tiles
+    (`attention.triton_tiles`), so a request's tokens and logprobs do not depend on what it is
+    batched with. It is this runner's setting, passed with each step, never process state. The
+    CPU path is batch-invariant either way.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_pages: KVPages,
+        device: torch.device,
+        connector: WorkerHalf | None = None,
+        use_cuda_graphs: bool = True,
+        max_model_len: int | None = None,
+        backend: str = "auto",
+        batch_invariant: bool = False,
+        max_num_seqs: int = MAX_GRAPH_BATCH,
+        fast_paths: FastPaths | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_pages = kv_pages
+        self.device = device
+        self.block_size = kv_pages.geometry.block_size
+        self.connector = connector
+        self._states: dict[str, _RequestState] = {}
+        self._bitmasks: dict = {}  # this step's structured-output masks, by request id
+        # The last step's samples, for the decode tokens of the next step under async scheduling.
+        self._prev: SampledTokens | None = None
+        self._prev_rows: dict[str, int] = {}
+        self.hooks = _ConnectorLayerHooks(connector) if connector is not None else None
+        if connector is not None:
+            connector.register_kv_caches(kv_pages)
+        geometry = kv_pages.geometry
+        self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
+        self.graphs = None
+        self.prefill_graphs = None  # a step of one prompt token alone (`prefill_graphs`), with `graphs`
+        self.staging = PinnedStaging(torch.int32) if device.type == "cuda" else None  # the packed steps' host side
+        self.max_model_len = max_model_len
+        self.batch_invariant = batch_invariant
+        self.max_num_seqs = max_num_seqs
+        if fast_paths is None:
+            fast_paths = apply_fast_paths(model, device, kv_pages.tensor.dtype, backend=backend)
+        if fast_paths.kernels == "triton" and self.backend != "cuda":
+            raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
+        self.fast_paths = fast_paths
+        # Whether the model computes the last layer for a step's sampled rows alone.
+        self.sampled_rows_only = fast_paths.sampled_rows_only
+        if self.backend == "cuda":
+            self._setup_cuda(use_cuda_graphs)
+
+    def _setup_cuda(self, use_cuda_graphs: bool) -> None:
+        from kvtool.engine.kernels.attention.triton_ops import choose_num_splits
+
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        num_kv_heads = self.kv_pages.geometry.num_kv_heads
+        self.num_splits_for = lambda batch, max_context: choose_num_splits(batch, num_kv_heads, max_context, num_sms)
+        max_len = self.max_model_len or getattr(getattr(self.model, "config", None), "max_position_embeddings", 0) or 8192
+        width = min(self.kv_pages.num_blocks, -(-max_len // self.block_size))
+        # Eager decode splits as a graph of the same batch size does, so both compute alike.
+        self.max_context = width * self.block_size
+        if use_cuda_graphs:
+            from kvtool.engine.worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_pages, min(MAX_GRAPH_BATCH, self.max_num_seqs), width,
+                                       self.num_splits_for, self.batch_invariant)
+        self._warm_up_prefill(num_sms)
+        if self.graphs is not None:
+            self.graphs.capture_all()
+            from kvtool.engine.worker import prefill_graphs
+
+            if prefill_graphs.supports(self.model, self.fast_paths):
+                self.prefill_graphs = prefill_graphs.OneTokenPrefillGraphs(self.model, self.kv_pages)
+                self.prefill_graphs.capture()
+
+    def _warm_up_prefill(self, num_sms: int) -> None:
+        """Run a few prefills once, so that their Triton kernels compile now rather than inside a
+        first request: a full hit's one row and a partial hit's rows over a cached prefix, and one
+        row count for every tile configuration of the row-invariant GEMMs below cuBLAS's rows
+        (`warm_up_rows`), each with its logits. Their K/V land in page blocks no request holds yet."""
+        from kvtool.engine.kernels.row_invariant_gemm import warm_up_rows
+
+        bs = self.block_size
+        # The projections' output widths (the LM head sees the sampled rows alone).
+        widths = {p.shape[0] for name, p in self.model.named_parameters()
+                  if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
+        shapes = [(1, bs), (bs + 1, bs)] + [(rows, 0) for rows in warm_up_rows(widths, num_sms)]
+        no_decode = decode_rows([], [], bs)
+        for rows, prefix in shapes:
+            blocks = -(-(prefix + rows) // bs)
+            if blocks > self.kv_pages.num_blocks:
+                continue
+            s = ScheduledRequest(request_id="warm-up", token_ids=[0] * rows, start=prefix, new_block_ids=[], sample=True)
+            step = pack_step([], no_decode, [s], [np.arange(blocks, dtype=np.int32)], bs, self.device,
+                             self.num_splits_for(0, self.max_context), self.batch_invariant)
+            meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                     device_batch=step.batch, row_invariant=True)
+            with attention_context(meta):
+                hidden = self._sampled_hidden(step)
+            self.model.compute_logits(hidden, row_invariant=self.batch_invariant)
+        torch.cuda.synchronize(self.device)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's message to the runner's own batch state."""
+        for rid in so.finished_req_ids:
+            self._states.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self._states.pop(rid, None)
+        for new in so.new_requests:
+            self._states[new.request_id] = _RequestState(
+                sampling=new.sampling, seed=new.seed, num_prompt_tokens=len(new.prompt_token_ids),
+                token_ids=new.prompt_token_ids + new.output_token_ids, eos_token_ids=frozenset(new.eos_token_ids),
+            )
+        for s in so.scheduled:
+            state = self._states[s.request_id]
+            if s.new_block_ids:
+                state.add_blocks(s.new_block_ids)
+            if s.start + s.num_tokens > len(state.token_ids):
+                state.see(s.start, s.token_ids)
+        self._bitmasks = so.allowed_token_bitmasks
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose state the runner holds."""
+        return list(self._states)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its result."""
+        return self.execute_async(so).result()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it (async scheduling).
+
+        The step's decode tokens given as PLACEHOLDER_TOKEN are the previous step's samples,
+        taken on the device; its own samples come back through `PendingOutput.result()`.
+        """
+        self._update_states(so)
+        # A CUDA step's inputs go to the device before the connector queues its loads: copies
+        # to the device run in the order they are queued, so an input copy queued after a load's
+        # copies would hold the forward (and every layer a layerwise load has already delivered)
+        # until the whole load is in.
+        plan = self._plan_cuda(so) if self.backend == "cuda" and not so.is_empty else None
+        if self.connector is not None and so.connector_meta is not None:
+            self.connector.bind_connector_metadata(so.connector_meta)
+            self.connector.start_load_kv()
+        sampled = None
+        if not so.is_empty:
+            if plan is not None:
+                sampled = self._run_cuda(plan)
+            else:
+                sampled = self._forward_and_sample(so)
+        if sampled is not None:
+            self._prev = sampled
+            self._prev_rows = {rid: i for i, rid in enumerate(sampled.req_ids)}
+        conn_out = None
+        if self.connector is not None and so.connector_meta is not None:
+            conn_out = self._finish_connector_step(so)
+        return PendingOutput(sampled, conn_out)
+
+    def _placeholder_rows(self, seqs: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
+        """(rows in `seqs`, rows in the previous samples) of the tokens to take from the previous step."""
+        dst, src = [], []
+        for i, s in enumerate(seqs):
+            if s.token_ids[0] == PLACEHOLDER_TOKEN:
+                dst.append(i)
+                src.append(self._prev_rows[s.request_id])
+        return dst, src
+
+    def _resolve_placeholders_host(self, s: ScheduledRequest) -> list[int]:
+        if s.token_ids[0] != PLACEHOLDER_TOKEN:
+            return s.token_ids
+        return [int(self._prev.tokens[self._prev_rows[s.request_id]])]
+
+    def _patch_from_previous(self, target: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        """target[dst] = previous samples[src], on the device: the host never waits for them."""
+        idx = torch.tensor([dst, src], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        prev = self._prev.tokens.to(self.device, non_blocking=True)
+        target.index_copy_(0, idx[0], prev.index_select(0, idx[1]).to(target.dtype))
+
+    # ---- reference backend ---------------------------------------------------------------------
+
+    def _forward_and_sample(self, so: SchedulerOutput) -> SampledTokens | None:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        seqs: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        for s in so.scheduled:
+            q_start = len(input_ids)
+            ctx_len = s.start + s.num_tokens
+            input_ids.extend(self._resolve_placeholders_host(s))
+            pos = range(s.start, ctx_len)
+            positions.extend(pos)
+            block_ids = self._states[s.request_id].block_table
+            slot_blocks.extend(int(block_ids[p // bs]) for p in pos)
+            slot_offsets.extend(p % bs for p in pos)
+            table = torch.from_numpy(block_ids[: -(-ctx_len // bs)].astype(np.int64)).to(self.device)
+            seqs.append(SeqSpan(q_start=q_start, q_len=s.num_tokens, ctx_len=ctx_len, block_ids=table))
+            if s.sample:
+                sample_rows.append(q_start + s.num_tokens - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            kv_pages=self.kv_pages,
+            seqs=seqs,
+            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            hooks=self.hooks,
+        )
+        self._order_page_writes(np.asarray(slot_blocks, dtype=np.int64))
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        # On CPU the model computes the last layer (past storing every row's K/V) and the final
+        # norm for the sampled rows only: a row's bits there do not depend on the rows computed
+        # with it (`FastPaths.sampled_rows_only`). Elsewhere every row.
+        rows_only = self.sampled_rows_only
+        with attention_context(meta):
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                rows if rows_only else None,
+            )
+        if not sample_rows:
+            return None
+        logits = self.model.compute_logits(hidden if rows_only else hidden.index_select(0, rows))
+        return self._sample([s for s in so.scheduled if s.sample], logits)
+
+    # ---- CUDA backend ------------------------------------------------------------------------------
+
+    def _plan_cuda(self, so: SchedulerOutput) -> _CudaStep:
+        """Split a step into decode and prefill rows; pack the inputs of a step that will run
+        eagerly whatever the connector does (it computes prefill rows, or its decode batch has
+        no captured graph)."""
+        # A prompt row is a prefill row even alone (the one token a full hit computes, a 1-token
+        # chunk): the prefill kernels give it the bits it has inside a whole-prompt prefill.
+        decode = [s for s in so.scheduled if s.num_tokens == 1 and not self._is_prompt_row(s)]
+        prefill = [s for s in so.scheduled if s.num_tokens > 1 or self._is_prompt_row(s)]
+        rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
+        plan = _CudaStep(decode, prefill, rows)
+        if prefill or self.graphs is None or not self.graphs.fits(rows[:, 3]):
+            plan.packed = self._pack(plan)
+        return plan
+
+    def _pack(self, plan: _CudaStep) -> PackedStep:
+        return pack_step(
+            plan.decode, plan.rows, plan.prefill, [self._block_table(s) for s in plan.prefill], self.block_size,
+            self.device, self.num_splits_for(len(plan.decode), self.max_context), self.batch_invariant,
+            self.staging,
+        )
+
+    def _run_cuda(self, plan: _CudaStep) -> SampledTokens | None:
+        decode, prefill, rows = plan.decode, plan.prefill, plan.rows
+        hooks = self.hooks if self._layer_hooks_needed() else None
+        dst, src = self._placeholder_rows(decode)
+        if plan.packed is None and hooks is None:
+            self._order_page_writes(rows[:, 2] // self.block_size)
+            patch = (lambda ids: self._patch_from_previous(ids, dst, src)) if dst else None
+            logits, greedy = self.graphs.run(rows, patch)
+            sampled = [s for s in decode if s.sample]
+            if len(sampled) < len(decode):
+                keep = torch.tensor([i for i, s in enumerate(decode) if s.sample], dtype=torch.long, device=self.device)
+                logits, greedy = logits.index_select(0, keep), greedy.index_select(0, keep)
+            return self._sample(sampled, logits, greedy) if sampled else None
+
+        step = plan.packed if plan.packed is not None else self._pack(plan)
+        if dst:
+            self._patch_from_previous(step.input_ids, dst, src)
+        invariant = self.batch_invariant
+        # Prefill rows always take the row-invariant GEMMs; decode rows in batch-invariant mode.
+        meta = AttentionMetadata(
+            kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None, hooks=hooks,
+            device_batch=step.batch, row_invariant=bool(prefill) or invariant,
+        )
+        self._order_page_writes(step.written_blocks)
+        if self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1:
+            hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)  # its one row
+        else:
+            with attention_context(meta):
+                hidden = self._sampled_hidden(step)
+        sampled = [s for s in decode if s.sample] + [s for s in prefill if s.sample]
+        if not sampled:
+            return None
+        logits = self.model.compute_logits(hidden, row_invariant=invariant)
+        return self._sample(sampled, logits)
+
+    def _sampled_hidden(self, step: PackedStep) -> torch.Tensor:
+        """The model's forward of a packed step (inside its attention context): the final hidden
+        states of its sample rows, [S, hidden]. Where the model and the step allow it, the last
+        layer computes those rows alone; otherwise every row, then the sample rows are taken."""
+        if self.sampled_rows_only and step.batch.sampled is not None:
+            return self.model(step.input_ids, step.positions, step.sample_rows)
+        hidden = self.model(step.input_ids, step.positions)
+        return hidden if hidden.shape[0] == step.sample_rows.shape[0] else hidden.index_select(0, step.sample_rows)
+
+    def _is_prompt_row(self, s: ScheduledRequest) -> bool:
+        """Whether the step's tokens for `s` start inside its prompt."""
+        return s.start < self._states[s.request_id].num_prompt_tokens
+
+    def _block_table(self, s: ScheduledRequest) -> np.ndarray:
+        """The request's block ids as int32, from the runner's own state."""
+        return self._states[s.request_id].block_table
+
+    # ---- shared --------------------------------------------------------------------------------------
+
+    def _layer_hooks_needed(self) -> bool:
+        """Whether the connector needs its per-layer calls this step (then the forward runs eagerly)."""
+        return self.connector is not None and self.connector.has_layer_work()
+
+    def _order_page_writes(self, block_ids: np.ndarray) -> None:
+        """Let a connector that still reads pages asynchronously order this step's writes after it."""
+        if self.connector is not None:
+            self.connector.order_page_writes(block_ids)
+
+    def _sample(
+        self, seqs: list[ScheduledRequest], logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> SampledTokens:
+        """Tokens for `seqs` from logits [N, V] (rows in order); `greedy` is their argmax if already known."""
+        states = [self._states[s.request_id] for s in seqs]
+        req_ids = [s.request_id for s in seqs]
+        masks = self._bitmasks
+        rows = []
+        for s, st in zip(seqs, states):
+            n = st.num_prompt_tokens
+            # Only samplers that read the history get it (copying it for every row is the hot path's cost).
+            history = st.sampling.samples_from_history
+            rows.append(SampleRow(st.sampling, st.seed, st.token_ids[:n] if history else (),
+                                  st.token_ids[n:] if history else (), st.eos_token_ids,
+                                  masks.get(s.request_id), position=s.start + s.num_tokens - n))
+        # On the device: the host reads the tokens only when the step's result is asked for.
+        tokens, lps = sample_on_device(logits, rows, greedy)
+        logprobs = {rid: lp for rid, lp in zip(req_ids, lps) if lp is not None}
+        return SampledTokens(req_ids, tokens, logprobs)
+
+    def _finish_connector_step(self, so: SchedulerOutput) -> KVConnectorOutput:
+        c = self.connector
+        assert c is not None
+        c.wait_for_save()
+        sending, recving = c.get_finished(so.finished_req_ids)
+        errors = c.get_block_ids_with_load_errors()
+        completions = c.take_completions()
+        stats = c.take_stats()
+        c.clear_connector_metadata()
+        return KVConnectorOutput(
+            step_id=so.step_id,
+            finished_sending=sending or set(),
+            finished_recving=recving or set(),
+            invalid_block_ids=set(errors),
+            invalid_reasons=dict(errors),
+            completions=completions,
+            stats=stats,
+        )
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """One eager CUDA step's device inputs, all views into one int32 tensor copied in at once."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    batch: DeviceBatch
+    sample_rows: torch.Tensor  # [S]: rows of the sampled sequences (decode ones first)
+    written_blocks: np.ndarray  # page blocks this step writes
+
+
+def decode_rows(decode: list[ScheduledRequest], tables: list[np.ndarray], block_size: int) -> np.ndarray:
+    """[B, 4 + w] int32 rows for one-token sequences: token, position, slot, context length,
+    then the block table up to the longest context (w blocks)."""
+    bs = block_size
+    nd = len(decode)
+    ctx = np.fromiter((s.start + 1 for s in decode), dtype=np.int64, count=nd)
+    width = int(-(-ctx.max() // bs)) if nd else 0
+    rows = np.zeros((nd, 4 + width), dtype=np.int32)
+    if nd:
+        rows[:, 0] = [s.token_ids[0] for s in decode]
+        rows[:, 1] = ctx - 1
+        rows[:, 3] = ctx
+        for i, t in enumerate(tables):
+            n = -(-int(ctx[i]) // bs)
+            rows[i, 4 : 4 + n] = t[:n]
+        last = ctx - 1
+        rows[:, 2] = rows[np.arange(nd), 4 + last // bs] * bs + last % bs
+    return rows
+
+
+def pack_step(
+    decode: list[ScheduledRequest],
+    rows: np.ndarray,
+    prefill: list[ScheduledRequest],
+    tables: list[np.ndarray],
+    block_size: int,
+    device: torch.device,
+    num_splits: int,
+    tiles: bool = False,
+    staging: PinnedStaging | None = None,
+) -> PackedStep:
+    """Pack the decode sequences' rows (from `decode_rows`) and the prefill sequences into one int32 host array,
+    copy it to the device once, and return views of it.
+
+    Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
+    cu_q [P + 1] | cu_k [P + 1] | cumulative sampled rows [P + 1] | key slots [sum ctx] (only with
+    a cached prefix) | sample rows | decode launch order [B] | first tile slot of each decode row
+    [B] (only with `tiles`: the batch-invariant decode kernel's).
+
+    The batch's `sampled` batch is set when the step computes prefill rows it does not sample
+    and samples every decode row: its query rows are then the sample rows, in their order.
+
+    The array goes through `staging`'s pinned buffers when given, else through a new pinned copy.
+    """
+    bs = block_size
+    nd, width = rows.shape[0], rows.shape[1] - 4
+    ids, pos, slots = [rows[:, 0]], [rows[:, 1]], [rows[:, 2]]
+    cu_q, cu_k, cu_s, key_slots = [0], [0], [0], []
+    has_prefix = any(s.start > 0 for s in prefill)
+    sample_rows = [i for i, s in enumerate(decode) if s.sample]
+    for s, t in zip(prefill, tables):
+        p = np.arange(s.start, s.start + s.num_tokens)
+        ids.append(np.asarray(s.token_ids, dtype=np.int32))
+        pos.append(p)
+        slots.append(t[p // bs] * bs + p % bs)
+        ctx_len = s.start + s.num_tokens
+        cu_q.append(cu_q[-1] + s.num_tokens)
+        cu_k.append(cu_k[-1] + ctx_len)
+        cu_s.append(cu_s[-1] + s.sample)
+        if has_prefix:
+            k = np.arange(ctx_len)
+            key_slots.append(t[k // bs] * bs + k % bs)
+        if s.sample:
+            sample_rows.append(nd + cu_q[-1] - 1)
+    order = longest_first(rows[:, 3])
+    bases, num_tiles = tile_bases(rows[:, 3]) if tiles else (np.zeros(0, dtype=np.int32), 0)
+    segments = [ids, pos, slots, [rows[:, 3]], [rows[:, 4:]], [cu_q], [cu_k], [cu_s], key_slots, [sample_rows], [order],
+                [bases]]
+    flat = [np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in seg] or [np.zeros(0, np.int32)])
+            for seg in segments]
+    # Every segment starts 16 bytes aligned: Triton specializes kernels on their pointers' alignment,
+    # and unaligned views at offsets that vary with the step would compile new variants mid-request.
+    starts = np.cumsum([0] + [-(-len(f) // SEGMENT_ALIGN) * SEGMENT_ALIGN for f in flat])
+    host = np.zeros(int(starts[-1]), dtype=np.int32)
+    for f, at in zip(flat, starts):
+        host[at : at + len(f)] = f
+    if staging is not None:
+        dev = staging.to_device(host, device)
+    else:
+        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
+    views = [dev[at : at + len(f)] for f, at in zip(flat, starts)]
+    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_cu_s, d_keys, d_sample, d_order, d_bases = views
+    pre = None
+    if prefill:
+        pre = PrefillBatch(
+            q_start=nd,
+            cu_q=d_cu_q,
+            cu_k=d_cu_k,
+            max_q=max(s.num_tokens for s in prefill),
+            max_k=max(s.start + s.num_tokens for s in prefill),
+            key_slots=d_keys if has_prefix else None,
+        )
+    batch = DeviceBatch(
+        slot_mapping=d_slots,
+        num_decode=nd,
+        block_table=d_table.view(nd, width),
+        context_lens=d_ctx,
+        num_splits=num_splits,
+        prefill=pre,
+        decode_order=d_order,
+        tile_base=d_bases if tiles else None,
+        num_tiles=num_tiles,
+    )
+    if prefill and len(sample_rows) < nd + cu_q[-1] and all(s.sample for s in decode):
+        batch.sampled = replace(
+            batch, prefill=replace(pre, cu_q=d_cu_s, max_q=1) if cu_s[-1] else None)
+    written = np.concatenate(slots) // bs
+    return PackedStep(d_ids, d_pos, batch, d_sample, written)

@@ -1,0 +1,204 @@
+"""Our models against Hugging Face transformers (the reference) on the same directory, float32 on CPU.
+
+For each model, with its modules' own forwards, with the CPU fused forwards over F.linear, and
+over oneDNN (as the runner runs them): a 64-token prefill, then 32 greedy decode steps, through real KVPages and
+attention metadata; the logits at all 96 positions must be within 1e-4 of transformers' logits for
+the same tokens, and transformers' argmax must pick the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtool.engine.kernels.attention import AttentionMetadata, SeqSpan, attention_context
+from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry, KVPages
+from kvtool.engine.models.model_dir import ModelConfig, open_model_dir
+from kvtool.engine.models import build_model
+from kvtool.engine.models.cpu_fused import fuse_cpu_modules
+from kvtool.engine.models.fast_paths import apply_fast_paths
+from kvtool.engine.models.layers import rope_inv_freq
+from kvtool.engine.presets.catalog import write_random_model_dir
+
+NUM_PROMPT_TOKENS = 64
+NUM_DECODE_STEPS = 32
+# float32 logits; transformers multiplies other shapes, whose BLAS kernels round differently by
+# machine (up to about 1e-4 on the embedded model on AVX-512 and AMX CPUs).
+ATOL = 2e-4
+# The model's own forwards as `build_model` makes them, the CPU fused forwards over F.linear
+# products, and over oneDNN-reordered weights as the runner runs them (`apply_fast_paths`).
+PRODUCTS = ["reference", "dense", "onednn"]
+
+
+class PagedSequence:
+    """One sequence over real KV pages (the model's device and dtype), fed the way the runner feeds it."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, max_tokens: int, block_size: int = 16) -> None:
+        self.model = model
+        self.block_size = block_size
+        weight = next(model.parameters())
+        self.device = weight.device
+        num_blocks = math.ceil(max_tokens / block_size)
+        geometry = KVGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                              head_dim=config.head_dim, block_size=block_size, dtype=DTYPE_NAMES[weight.dtype])
+        # One spare block, and the sequence's blocks in reverse order: the page table must be followed.
+        self.pages = KVPages(geometry, num_blocks + 1, self.device)
+        self.block_ids = torch.arange(num_blocks, 0, -1, device=self.device)
+        self.num_tokens = 0
+
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        """Compute the new tokens; returns their float32 logits [len(token_ids), vocab] on the CPU."""
+        start, end = self.num_tokens, self.num_tokens + len(token_ids)
+        positions = torch.arange(start, end, device=self.device)
+        meta = AttentionMetadata(
+            kv_pages=self.pages,
+            seqs=[SeqSpan(q_start=0, q_len=len(token_ids), ctx_len=end,
+                          block_ids=self.block_ids[: math.ceil(end / self.block_size)])],
+            slot_block_ids=self.block_ids[positions // self.block_size],
+            slot_offsets=positions % self.block_size,
+        )
+        with torch.inference_mode(), attention_context(meta):
+            hidden = self.model(torch.tensor(token_ids, device=self.device), positions)
+            logits = self.model.compute_logits(hidden)
+        self.num_tokens = end
+        return logits.cpu()
+
+
+def greedy_run(model, config: ModelConfig, prompt: list[int], num_steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill, then greedy decode steps. Returns (logits at every fed position [P + S, V], generated ids [S])."""
+    seq = PagedSequence(model, config, len(prompt) + num_steps)
+    logits = [seq.step(prompt)]
+    generated: list[int] = []
+    for _ in range(num_steps):
+        generated.append(int(logits[-1][-1].argmax()))
+        logits.append(seq.step([generated[-1]]))
+    return torch.cat(logits), generated
+
+
+def hf_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits for one sequence. Returns [len(token_ids), V]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
+    md = open_model_dir(model_dir)
+    ours = build_model(md, "cpu", torch.float32, "auto")
+    if products == "dense":
+        fuse_cpu_modules(ours)
+    elif products == "onednn":  # as the runner runs it
+        assert apply_fast_paths(ours, "cpu", torch.float32).packed_weights > 0
+    logits, generated = greedy_run(ours, md.config, prompt, NUM_DECODE_STEPS)
+    ref = hf_logits(model_dir, prompt + generated)
+    assert logits.shape == ref.shape == (len(prompt) + NUM_DECODE_STEPS, md.config.vocab_size)
+    diff = (logits - ref).abs().amax(dim=-1)
+    worst = int(diff.argmax())
+    assert diff.max() <= ATOL, f"max abs diff {diff.max():.3g} at position {worst} (prefill < {len(prompt)})"
+    # transformers' greedy choice after each position is the token we generated there.
+    assert ref[len(prompt) - 1 : -1].argmax(dim=-1).tolist() == generated
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def config(arch: str, *, heads: int, kv_heads: int, tied: bool, form: str = "classic", hidden: int = 64,
+           head_dim: int | None = None, rope: dict | None = None, bias: bool = False) -> dict:
+    """A small config.json (2 layers); `form` picks classic (rope_theta/rope_scaling/torch_dtype) or
+    transformers 5 (rope_parameters/dtype)."""
+    cfg = {
+        "architectures": [arch], "model_type": "qwen3" if arch.startswith("Qwen3") else "llama",
+        "vocab_size": 384, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "tie_word_embeddings": tied, "attention_bias": bias,
+        "hidden_act": "silu", "bos_token_id": 256, "eos_token_id": 258,
+    }
+    if head_dim is not None or arch.startswith("Qwen3"):
+        cfg["head_dim"] = head_dim or hidden // heads
+    if form == "classic":
+        cfg.update(rope_theta=10000.0, rope_scaling=rope, torch_dtype="float32")
+    else:
+        cfg.update(rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}, dtype="float32")
+    return cfg
+
+
+RANDOM_CONFIGS = {
+    # head_dim 32 while hidden / heads is 16: Qwen3's own head_dim; q/k/v/o biases.
+    "qwen3-gqa1-tied-bias": config("Qwen3ForCausalLM", heads=4, kv_heads=4, tied=True, head_dim=32, bias=True),
+    "qwen3-gqa2-untied-v5": config("Qwen3ForCausalLM", heads=4, kv_heads=2, tied=False, form="v5"),
+    "llama-gqa4-untied-llama3": config("LlamaForCausalLM", heads=8, kv_heads=2, tied=False, rope=LLAMA3_ROPE),
+    "llama-gqa2-tied-llama3-v5": config("LlamaForCausalLM", heads=6, kv_heads=3, tied=True, hidden=96,
+                                        form="v5", rope=LLAMA3_ROPE),
+    "llama-gqa1-tied-bias": config("LlamaForCausalLM", heads=4, kv_heads=4, tied=True, head_dim=16, bias=True),
+}
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
+def test_random_config_matches_transformers(tmp_path, name, products):
+    d = tmp_path / name
+    # One model is stored sharded (model.safetensors.index.json), as large checkpoints are.
+    shard_bytes = 64_000 if name == "llama-gqa4-untied-llama3" else 1 << 30
+    cfg = write_random_model_dir(d, RANDOM_CONFIGS[name], seed=11, max_shard_bytes=shard_bytes)
+    assert (d / "model.safetensors.index.json").is_file() == (shard_bytes < 1 << 30)
+    if cfg.rope_scaling is not None:
+        # The scaled frequencies must differ from plain RoPE for this test to prove anything.
+        assert not torch.equal(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                               rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
+    g = torch.Generator().manual_seed(len(name))
+    prompt = torch.randint(0, 259, (NUM_PROMPT_TOKENS,), generator=g).tolist()
+    check_against_hf(d, prompt, products)
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from kvtool.engine.presets.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PASSAGE = (
+    "The Loire is the longest river in France. It rises in the southeastern quarter of the Massif "
+    "Central and flows north through Nevers to Orleans, then west through Tours and Nantes until it "
+    "reaches the Bay of Biscay at Saint-Nazaire. Its valley is famous for its chateaux and vineyards."
+)
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_smollm2_matches_transformers(smollm2_dir, products):
+    tok = open_model_dir(smollm2_dir).tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PASSAGE}]), add_special_tokens=False)
+    assert len(prompt) >= NUM_PROMPT_TOKENS
+    check_against_hf(smollm2_dir, prompt[:NUM_PROMPT_TOKENS], products)
+
+
+def test_smollm2_answers_the_capital_of_france(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    md = open_model_dir(smollm2_dir)
+    text = md.tokenizer.apply_chat_template(QUESTION)
+    prompt = md.tokenizer.encode(text, add_special_tokens=False)
+    hf_tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert hf_tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True) == text
+    assert hf_tok(text, add_special_tokens=False).input_ids == prompt
+
+    ours = build_model(md, "cpu", torch.float32)
+    seq = PagedSequence(ours, md.config, len(prompt) + 16)
+    logits = seq.step(prompt)
+    answer: list[int] = []
+    while len(answer) < 16:
+        answer.append(int(logits[-1].argmax()))
+        if answer[-1] in md.config.eos_token_ids:
+            break
+        logits = seq.step([answer[-1]])
+    assert md.tokenizer.decode(answer) == "The capital of France is Paris."
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert out[0, len(prompt):].tolist() == answer
