@@ -1,6 +1,6 @@
 """vLLM's arm of scripts/gpu-bench.py: one `vllm.LLM` on one spec, in a process of its own.
 
-    python3 scripts/gpu-bench-vllm.py SPEC.json
+    python3 scripts/gpu-bench-vllm.py SPEC.json ROWS.jsonl
 
 `gpu-bench.py --engines ...,vllm` writes SPEC and runs this with the vLLM site first on
 PYTHONPATH; it imports nothing of kvtool. SPEC is a JSON object:
@@ -17,8 +17,10 @@ and every prompt in it is a list of token ids, the very ones kvtool's arm ran. A
         P passes of one `generate` over all prompts (the caller drops its warm-up passes)
 
 Every request is greedy with EOS ignored and fixed output lengths; tokenizer off, dummy
-weights. Stdout gets one JSON line for the engine ({"startup": ...}) and one per job
-({"job": N, "results": [...]}); vLLM's logs go to stderr. TTFT is vLLM's
+weights. ROWS gets one JSON line for the engine ({"startup": ...}) and one per job
+({"job": N, "results": [...]}), each as soon as it is known; vLLM's logs go to stderr. Rows go
+to a file, not to stdout: vLLM's engine-core process inherits stdout, and a reader waiting for
+the end of a pipe would wait for that process too. TTFT is vLLM's
 `first_token_latency`; TPOT is (last token time - first token time) / (output tokens - 1).
 """
 
@@ -47,8 +49,12 @@ LLM_DEFAULTS = {"load_format": "dummy", "dtype": "bfloat16", "skip_tokenizer_ini
 T0 = time.perf_counter()
 
 
+ROWS = None  # the file of rows (argv[2]), line-buffered
+
+
 def emit(row: dict) -> None:
-    print(json.dumps(row), flush=True)
+    ROWS.write(json.dumps(row) + "\n")
+    ROWS.flush()
 
 
 def log(*a) -> None:
@@ -110,8 +116,10 @@ JOBS = {"requests": job_requests, "batch": job_batch}
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: gpu-bench-vllm.py SPEC.json")
+    global ROWS
+    if len(sys.argv) != 3:
+        sys.exit("usage: gpu-bench-vllm.py SPEC.json ROWS.jsonl")
+    ROWS = open(sys.argv[2], "a")
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     unknown = [j.get("job") for j in spec["jobs"] if j.get("job") not in JOBS]

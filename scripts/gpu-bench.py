@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,21 +168,35 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": model_dir(preset), "llm": llm, "jobs": jobs}, f)
         spec = f.name
+    rows_path = Path(spec).with_suffix(".rows.jsonl")
+    code = None
     try:
         with log_path.open("w") as log:
-            proc = subprocess.run([sys.executable, str(VLLM_ARM), spec], stdout=subprocess.PIPE, stderr=log,
-                                  stdin=subprocess.DEVNULL, text=True, env=env, timeout=VLLM_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc = None
+            # A session of its own: whatever vLLM leaves running (its engine-core process) is
+            # killed with it once the arm has exited or run out of time.
+            proc = subprocess.Popen([sys.executable, str(VLLM_ARM), spec, str(rows_path)], stdout=log,
+                                    stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            try:
+                code = proc.wait(timeout=VLLM_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        lines = rows_path.read_text().splitlines() if rows_path.exists() else []
     finally:
         os.unlink(spec)
-    if proc is None or proc.returncode != 0:
+        rows_path.unlink(missing_ok=True)
+    if code != 0:
         tail = log_path.read_text().splitlines()[-40:]
         print("\n".join(line[:400] for line in tail), file=sys.stderr)
-        how = f"ran past {VLLM_TIMEOUT_S}s" if proc is None else f"exited {proc.returncode}"
+        how = f"ran past {VLLM_TIMEOUT_S}s" if code is None else f"exited {code}"
         raise SystemExit(f"gpu-bench: vLLM's {section} arm ({preset}) {how}; log {log_path}")
     startup, results = {}, {}
-    for line in proc.stdout.splitlines():
+    for line in lines:
         row = json.loads(line)
         if "startup" in row:
             startup = row["startup"]

@@ -1,5 +1,6 @@
 """scripts/gpu-bench.py's vllm arm against a stand-in `vllm` package: the child gets kvtool's
-workload as token ids, and its rows come back in kvtool's row shape with the same measure."""
+workload as token ids, its rows come back in kvtool's row shape with the same measure, and a
+process it leaves running (vLLM's engine core) neither holds the run up nor outlives it."""
 
 import json
 import os
@@ -24,13 +25,28 @@ class _Output:
     def __init__(self, n):
         self.outputs, self.metrics, self.num_cached_tokens = [_Completion(n)], _Metrics(n), 0
 class LLM:
-    def __init__(self, **kw): self.kw = kw
+    def __init__(self, **kw):
+        # As vLLM's engine core: a process of its own that inherits stdout and outlives this one.
+        import subprocess, sys
+        core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(os.environ["FAKE_VLLM_CORE"], "w") as f:
+            f.write(str(core.pid))
+        self.kw = kw
     def reset_prefix_cache(self): pass
     def generate(self, prompts, sps, use_tqdm=False):
         with open(os.environ["FAKE_VLLM_SEEN"], "a") as f:
             f.write(json.dumps([[p["prompt_token_ids"] for p in prompts], [s.max_tokens for s in sps]]) + "\\n")
         return [_Output(s.max_tokens) for s in sps]
 '''
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie not yet reaped by init counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_the_vllm_arm_runs_kvtools_workload_and_reports_kvtools_row_shape(tmp_path):
@@ -43,11 +59,15 @@ def test_the_vllm_arm_runs_kvtools_workload_and_reports_kvtools_row_shape(tmp_pa
     (site / "vllm" / "platforms" / "__init__.py").write_text(
         "class _P:\n    def get_device_name(self): return 'none'\ncurrent_platform = _P()\n")
     seen, out = tmp_path / "seen.jsonl", tmp_path / "out" / "rows.jsonl"
-    env = {**os.environ, "FAKE_VLLM_SEEN": str(seen)}
+    core = tmp_path / "core.pid"
+    env = {**os.environ, "FAKE_VLLM_SEEN": str(seen), "FAKE_VLLM_CORE": str(core)}
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu-bench.py"), "throughput", "--quick",
                            "--engines", "vllm", "--vllm-site", str(site), "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # The engine-core stand-in, still running when the arm exited, is gone with it.
+    pid = int(core.read_text())
+    assert _gone(pid)
 
     from kvtool.workloads.throughput import ThroughputSettings, make_workload
 
