@@ -158,6 +158,36 @@ def throughput_workload(num_seqs: int):
 # ---- vLLM's arm -------------------------------------------------------------------------------
 
 
+def session_alive(sid: int) -> list[int]:
+    """The processes of session `sid` still running (zombies, which hold no memory, left out)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:  # state, session id
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def end_session(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+    """Kill the vLLM arm's session (the arm and vLLM's engine-core process) and wait until no
+    process of it is left, so the GPU memory they held is free for whatever runs next."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.poll()  # reaps the arm itself
+        if not session_alive(proc.pid):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gpu-bench: vLLM's processes {session_alive(proc.pid)} outlived a kill by {wait_s:.0f}s")
+        time.sleep(0.2)
+
+
 def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[dict, dict[str, list[dict]]]:
     """Runs scripts/gpu-bench-vllm.py on one spec; returns its startup line and each job's results."""
     log_dir = OUT.parent if OUT is not None else Path(tempfile.gettempdir())
@@ -181,11 +211,7 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
             except subprocess.TimeoutExpired:
                 pass
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                end_session(proc)
         lines = rows_path.read_text().splitlines() if rows_path.exists() else []
     finally:
         os.unlink(spec)
