@@ -273,8 +273,8 @@ def section_kernels():
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kvtool.engine.kernels.attention.triton_ops import choose_num_splits, paged_decode
     from kvtool.engine.kernels.attention.prefill import prefill_attention
+    from kvtool.engine.kernels.attention.triton_ops import choose_num_splits, paged_decode
     from kvtool.engine.kernels.attention.triton_prefill import triton_prefill_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -27,11 +27,11 @@ from kvtool.commands import render
 from kvtool.commands.options import JsonOpt, ModelOpt
 from kvtool.commands.token_files import read_token_file, read_token_sequences  # noqa: F401 (re-exported)
 from kvtool.engine.connectors.lmcache.keys import ChunkKey, LMCacheKeySettings, make_chunk_keys
-from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME, is_default_model_ready, resolve_model_path
 from kvtool.engine.errors import ConfigError, InputError, PeerError
 from kvtool.engine.models.model_dir import ModelDir, open_model_dir
-from kvtool.peer.env import peer_python as default_peer_python
+from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME, is_default_model_ready, resolve_model_path
 from kvtool.peer.compare import KeyComparison, compare_with_peer, lmcache_request
+from kvtool.peer.env import peer_python as default_peer_python
 
 if TYPE_CHECKING:  # the probe needs torch, which only --peer should import
     from kvtool.engine.connectors.lmcache.probe import ChunkProbe

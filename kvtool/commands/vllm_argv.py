@@ -27,8 +27,8 @@ import json
 import re
 from typing import Any
 
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.config.sizes import human_readable_int
+from kvtool.engine.errors import ConfigError
 
 # Everything between the leading `--` and the first `.`: where underscores become dashes.
 _FLAG_NAME = re.compile(r"(?<=--)[^.]*")

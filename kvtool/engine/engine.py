@@ -14,19 +14,19 @@ import torch
 from kvtool import __version__
 from kvtool.engine.connectors.base import ConnectorContext, identity_of_rank
 from kvtool.engine.connectors.registry import refuse_unrunnable_connector, resolve_connector
-from kvtool.engine.presets.default_model import resolve_model_path
-from kvtool.engine.errors import ConfigError, InputError
-from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
 from kvtool.engine.core.hashing import make_none_hash, uint32_ids
-from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
-from kvtool.engine.kv.cache_size import num_kv_blocks
 from kvtool.engine.core.messages import KVConnectorOutput
 from kvtool.engine.core.output_processor import OutputProcessor
-from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
-from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.core.request import Request
 from kvtool.engine.core.scheduler import Scheduler
 from kvtool.engine.core.structured_output import StructuredOutputs
+from kvtool.engine.errors import ConfigError, InputError
+from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
+from kvtool.engine.kv.cache_size import num_kv_blocks
+from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
+from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
+from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.presets.default_model import resolve_model_path
 
 
 Progress = Callable[[str, float], None]
@@ -39,7 +39,7 @@ def token_id_list(ids: Sequence[int]) -> tuple[list[int], int, int, np.ndarray |
     """(the prompt as a list of Python ints, its smallest id, its largest, the same ids as one
     uint32 array or None). A list or tuple of integers of any kind (int, bool, NumPy's) goes
     through one C array (uint32 for a real vocabulary's ids, else int64), which also gives min
-    and max in C: about half the time of int() on every id of a long prompt. Anything else (a
+    and max in C, faster than int() on every id of a long prompt. Anything else (a
     float or a string of digits among the ids, an id past 64 bits, another kind of sequence)
     goes through int() on every id, as it always did."""
     if isinstance(ids, (list, tuple)):

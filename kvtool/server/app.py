@@ -28,9 +28,9 @@ from kvtool.server.context import ServerContext, ServerSettings
 from kvtool.server.engine_loop import EngineLoop
 from kvtool.server.errors import APIError, RequireAPIKey, add_error_handlers
 from kvtool.server.metrics import ServerMetrics
+from kvtool.server.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from kvtool.server.request_body import add_body_bounds
 from kvtool.server.router_endpoints import add_router_routes
-from kvtool.server.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 
 if TYPE_CHECKING:
     from kvtool.engine.engine import LLMEngine

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.errors import ModelError
+from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams
 
 
@@ -68,8 +68,8 @@ class HFBaseline:
         return self.dtype == torch.float32
 
     def _load_dummy(self, model: torch.nn.Module, path: Path, seed: int) -> None:
-        from kvtool.engine.models.model_dir import open_model_dir
         from kvtool.engine.models import iter_dummy_tensors
+        from kvtool.engine.models.model_dir import open_model_dir
 
         params = dict(model.named_parameters())
         assigned = set()

@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError, KVToolError
 from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.workloads.figures import rate
 from kvtool.workloads.trace_pass import free_device_memory, reset_prefix_cache
 

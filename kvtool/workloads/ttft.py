@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.presets.default_model import resolve_model_path
 from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens, served_prefix_tokens
 from kvtool.workloads.figures import percentile, to_ms
 from kvtool.workloads.replay import arm_params

@@ -17,10 +17,10 @@ import uuid
 import pytest
 import torch
 
-from kvtool.peer.compare import compare_many_with_peer
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys, make_none_hash_int
 from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 from kvtool.engine.connectors.lmcache.stores.protocol import kv_chunk_header, tensor_buffer
+from kvtool.peer.compare import compare_many_with_peer
 from tests.conftest import kvtool_cmd
 from tests.support.peer_server import free_port, require_peer_python
 

@@ -10,6 +10,7 @@ import json
 import msgspec
 import pytest
 
+from kvtool.engine.config.sizes import machine_memory_bytes, parse_size
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
 from kvtool.engine.connectors.lmcache.settings import parse_settings as lmcache_settings
@@ -17,7 +18,6 @@ from kvtool.engine.connectors.offloading.disk.tier_identity import MAX_HEADER_BY
 from kvtool.engine.connectors.offloading.settings import parse_settings as offloading_settings
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams
-from kvtool.engine.config.sizes import machine_memory_bytes, parse_size
 from tests.support.tier_identity import make_test_identity
 
 

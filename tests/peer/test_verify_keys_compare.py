@@ -10,11 +10,11 @@ import pytest
 from rich.console import Console
 
 from kvtool.commands.verify_keys import build_rows, exit_status, read_token_file, read_token_sequences, render_table
-from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, ChunkProbe, chunk_problem
-from kvtool.peer.compare import KeyComparison, compare_keys, compare_with_peer, lmcache_request
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
+from kvtool.engine.connectors.lmcache.probe import ChunkGeometry, ChunkProbe, chunk_problem
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat
 from kvtool.engine.errors import ConfigError, PeerError
+from kvtool.peer.compare import KeyComparison, compare_keys, compare_with_peer, lmcache_request
 
 SETTINGS = LMCacheKeySettings("Qwen/Qwen3-0.6B", chunk_tokens=16, save_unfull_chunk=True)
 SEQUENCES = [list(range(40)), list(range(100, 133))]

@@ -7,9 +7,9 @@ import jsonschema
 import pytest
 import tokenizers
 
+from kvtool.engine.core.structured_output import StructuredOutputs
 from kvtool.engine.params import StructuredOutputsParams
 from kvtool.engine.worker.sampler import unpack_bitmask
-from kvtool.engine.core.structured_output import StructuredOutputs
 from kvtool.server.protocol import ChatCompletionRequest, InvalidField
 from kvtool.server.tool_calls import ToolCallStream, finish_reason, read_message
 from kvtool.server.tool_choice import ToolChoice, resolve_tool_choice, tool_call_schema

@@ -19,8 +19,8 @@ from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.connectors.offloading.connector import OffloadingConnector
 from kvtool.engine.connectors.offloading.jobs import OffloadingCompletions
-from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.core.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvtool.engine.kv.pages import KVGeometry
 from kvtool.peer.env import peer_env
 
 BLOCK_SIZE = 4

@@ -18,11 +18,11 @@ import msgspec
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, identity_of_rank
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.core.hashing import extend_block_hashes
-from kvtool.engine.kv.pages import DTYPES, KVPages
 from kvtool.engine.core.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
-from kvtool.engine.params import SamplingParams
 from kvtool.engine.core.request import Request
+from kvtool.engine.kv.pages import DTYPES, KVPages
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range
+from kvtool.engine.params import SamplingParams
 
 
 def head_slice(full: torch.Tensor, num_kv_heads: int, head_dim: int, size: int, rank: int) -> torch.Tensor:

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.config.sizes import expand_json_human_readable_numbers
+from kvtool.engine.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -43,8 +43,8 @@ from kvtool.engine.core.messages import (
     SchedulerOutput,
     TransferStats,
 )
-from kvtool.engine.outputs import CPUTierUsage
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range
+from kvtool.engine.outputs import CPUTierUsage
 
 if TYPE_CHECKING:
     from kvtool.engine.core.request import Request

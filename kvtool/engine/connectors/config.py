@@ -15,8 +15,8 @@ from typing import Any, Literal
 import msgspec
 
 from kvtool.engine.config.json_document import convert_config, json_value_excess, read_config_document
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.config.sizes import parse_size
+from kvtool.engine.errors import ConfigError
 
 # kv_connector_extra_config is free-form, as in vLLM: any JSON value, each connector checking the
 # keys it declares (extra_keys.py). Lists and objects (secondary_tiers, backpressure) are bounded.

@@ -17,8 +17,8 @@ from typing import Literal
 
 import msgspec
 
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.config.sizes import format_bytes, parse_size
+from kvtool.engine.errors import ConfigError
 
 KeyKind = Literal["int", "float", "str", "bool", "size", "choice", "list", "object"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from kvtool.engine.outputs import RequestOutput, RequestResult, RequestStats
 from kvtool.engine.core.request import Request, RequestStatus
 from kvtool.engine.core.scheduler import Scheduler
 from kvtool.engine.core.structured_output import StructuredOutputs
+from kvtool.engine.outputs import RequestOutput, RequestResult, RequestStats
 
 
 class OutputProcessor:

@@ -24,11 +24,11 @@ import logging
 import time
 from collections import deque
 
+from kvtool.engine.connectors.base import SchedulerHalf
 from kvtool.engine.core.block_hash_memo import BlockHashMemo
 from kvtool.engine.core.block_pool import BlockPool
-from kvtool.engine.connectors.base import SchedulerHalf
-from kvtool.engine.errors import KVToolError
 from kvtool.engine.core.hashing import extend_block_hashes
+from kvtool.engine.errors import KVToolError
 from kvtool.engine.core.messages import (
     KVConnectorOutput,
     ModelRunnerOutput,
@@ -36,9 +36,9 @@ from kvtool.engine.core.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvtool.engine.outputs import EngineStats, RequestOutput
 from kvtool.engine.core.request import Request, RequestStatus
 from kvtool.engine.core.structured_output import StructuredOutputs
+from kvtool.engine.outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 

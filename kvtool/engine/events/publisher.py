@@ -24,8 +24,8 @@ import msgspec
 import zmq
 
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.events.kv_events import EventBatch, KVEventStream
 from kvtool.engine.events.config import KVEventsConfig
+from kvtool.engine.events.kv_events import EventBatch, KVEventStream
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.1

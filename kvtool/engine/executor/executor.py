@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 
 from kvtool.engine.connectors.base import EngineIdentity
-from kvtool.engine.errors import ConfigError, KVToolError
 from kvtool.engine.core.messages import KVConnectorCompletions, ModelRunnerOutput, SchedulerOutput
+from kvtool.engine.errors import ConfigError, KVToolError
+from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 from kvtool.engine.params import EngineParams
 from kvtool.engine.worker.model_runner import PendingOutput
-from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 from kvtool.engine.worker.worker import Worker, build_worker
 
 

@@ -23,8 +23,8 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from kvtool.engine import errors
-from kvtool.engine.errors import KVToolError, WorkerError
 from kvtool.engine.core.messages import KVConnectorCompletions, ModelRunnerOutput, SchedulerOutput
+from kvtool.engine.errors import KVToolError, WorkerError
 from kvtool.engine.executor.kv_output_aggregator import KVOutputAggregator
 from kvtool.engine.executor.rank_process import WorkerSpec, worker_main
 

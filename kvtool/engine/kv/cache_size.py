@@ -11,8 +11,8 @@ import torch
 
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry
-from kvtool.engine.params import EngineParams
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range
+from kvtool.engine.params import EngineParams
 
 
 def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) -> KVGeometry:

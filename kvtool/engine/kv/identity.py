@@ -11,11 +11,11 @@ import json
 import torch
 
 from kvtool.engine.connectors.base import EngineIdentity
-from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.core.hashing import resolve_none_hash_seed
+from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.pages import DTYPE_NAMES, DTYPES, KVGeometry
 from kvtool.engine.params import EngineParams
+from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME
 
 
 def resolve_device(name: str) -> torch.device:

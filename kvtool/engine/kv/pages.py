@@ -19,8 +19,8 @@ from typing import Literal
 import msgspec
 import torch
 
-from kvtool.engine.kv.dtypes import ELEMENT_BYTES, torch_dtype
 from kvtool.engine.errors import KVRefused
+from kvtool.engine.kv.dtypes import ELEMENT_BYTES, torch_dtype
 
 Layout = Literal["block_major", "KV_2LTD"]
 

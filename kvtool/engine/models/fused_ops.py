@@ -36,10 +36,10 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.kernels.attention import attend, attend_rows, current_metadata
+from kvtool.engine.kernels.row_invariant_gemm import linear
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.parallel import RowParallelLinear
-from kvtool.engine.kernels.row_invariant_gemm import linear
 
 
 @triton.jit

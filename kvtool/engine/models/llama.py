@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from kvtool.engine.kernels.attention import attend
-from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, apply_rotary
+from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.parallel import RowParallelLinear, rank_heads
 from kvtool.engine.models.shard_layout import TPRank
 

@@ -25,8 +25,8 @@ from typing import Any
 import blake3
 import msgspec
 
-from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.errors import ModelError
+from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.models.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from kvtool.engine.kernels.attention import attend
-from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.layers import CausalLM, RMSNorm, apply_rotary
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.shard_layout import TPRank
 
 

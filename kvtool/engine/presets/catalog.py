@@ -28,8 +28,8 @@ import msgspec
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
-from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.errors import ConfigError, ModelError
+from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.models.model_dir import INDEX_FILE, ModelConfig, make_temp_dir_beside, parse_config
 from kvtool.engine.models.tokenizer import CHATML_TEMPLATE
 

@@ -34,8 +34,8 @@ from kvtool.engine.kernels.attention import (
     attention_context,
     select_backend,
 )
-from kvtool.engine.kernels.attention.context import longest_first, tile_bases
 from kvtool.engine.connectors.base import WorkerHalf
+from kvtool.engine.kernels.attention.context import longest_first, tile_bases
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.core.messages import (
     PLACEHOLDER_TOKEN,

@@ -34,9 +34,9 @@ import torch
 
 from kvtool.engine.kernels.attention import AttentionMetadata, attention_context
 from kvtool.engine.kernels.attention.cuda import cuda_attention
-from kvtool.engine.models.fused_ops import attention_output, decoder_input, layer_output, qkv_projection, rotate_qkv
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.models.fast_paths import FastPaths
+from kvtool.engine.models.fused_ops import attention_output, decoder_input, layer_output, qkv_projection, rotate_qkv
 from kvtool.engine.models.layers import CausalLM
 
 

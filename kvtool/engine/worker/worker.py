@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, WorkerHalf, identity_of_rank
+from kvtool.engine.core.messages import KVConnectorCompletions, SchedulerOutput
 from kvtool.engine.kv.cache_size import rank_kv_geometry
 from kvtool.engine.kv.pages import KVPages
-from kvtool.engine.core.messages import KVConnectorCompletions, SchedulerOutput
 from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
+from kvtool.engine.models.shard_layout import TPRank
 from kvtool.engine.params import EngineParams
 from kvtool.engine.worker.model_runner import ModelRunner, PendingOutput
-from kvtool.engine.models.shard_layout import TPRank
 
 
 class Worker:

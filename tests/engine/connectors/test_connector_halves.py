@@ -39,11 +39,11 @@ HALF_SCRIPT = textwrap.dedent(
     from kvtool.engine.connectors.config import parse_kv_transfer_config
     from kvtool.engine.connectors.registry import resolve_connector
     from kvtool.engine.core.hashing import extend_block_hashes, make_none_hash
+    from kvtool.engine.core.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+    from kvtool.engine.core.request import Request
     from kvtool.engine.kv.identity import identity_for_model
     from kvtool.engine.kv.pages import KVPages
-    from kvtool.engine.core.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
     from kvtool.engine.params import EngineParams, SamplingParams
-    from kvtool.engine.core.request import Request
 
     role, model, config, prompt_file, io_file = sys.argv[1:]
     params = EngineParams(model=model, device="cpu", kv_transfer_config=parse_kv_transfer_config(config))

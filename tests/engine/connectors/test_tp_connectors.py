@@ -6,8 +6,8 @@ import pytest
 from kvtool.engine.connectors.base import EngineIdentity, identity_of_rank
 from kvtool.engine.connectors.lmcache.chunk_fit import ChunkGeometry, chunk_geometry_of_rank, chunk_problem
 from kvtool.engine.connectors.lmcache.keys import key_for_worker, parse_key
-from kvtool.engine.connectors.lmcache.stores.protocol import kv_chunk_header
 from kvtool.engine.connectors.lmcache.settings import parse_settings
+from kvtool.engine.connectors.lmcache.stores.protocol import kv_chunk_header
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.models.shard_layout import TPRank

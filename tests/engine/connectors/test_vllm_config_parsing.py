@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvtool.commands.vllm_argv import rewrite_vllm_argv
+from kvtool.engine.config.sizes import expand_json_human_readable_numbers
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.events.config import parse_kv_events_config
-from kvtool.engine.config.sizes import expand_json_human_readable_numbers
 from kvtool.peer.env import is_peer_ready, peer_env, peer_python
 
 pytestmark = pytest.mark.peer

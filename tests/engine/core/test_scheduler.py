@@ -4,9 +4,9 @@ import pytest
 
 from kvtool.engine.core.hashing import make_none_hash
 from kvtool.engine.core.messages import ModelRunnerOutput
-from kvtool.engine.params import SamplingParams
 from kvtool.engine.core.request import Request, RequestStatus
 from kvtool.engine.core.scheduler import Scheduler
+from kvtool.engine.params import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True):

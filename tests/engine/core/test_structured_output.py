@@ -6,10 +6,10 @@ import pytest
 import tokenizers
 import torch
 
+from kvtool.engine.core.structured_output import StructuredOutputs
 from kvtool.engine.errors import InputError
 from kvtool.engine.params import StructuredOutputsParams
 from kvtool.engine.worker.sampler import unpack_bitmask
-from kvtool.engine.core.structured_output import StructuredOutputs
 
 
 

@@ -194,8 +194,8 @@ def test_cli_refuses_with_one_line(doc, needle, tiny_model_dir, run_kvtool):
 def test_offload_tier_events_decode_as_vllms(subscriber):
     """The events an offloading tier records (media CPU and STORAGE), through the same stream."""
     from kvtool.engine.core.hashing import extend_block_hashes, make_none_hash
-    from kvtool.engine.events.publisher import ZmqEventPublisher
     from kvtool.engine.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVEventStream, OffloadEventRecorder
+    from kvtool.engine.events.publisher import ZmqEventPublisher
 
     config = parse_kv_events_config(_events_config(subscriber))
     stream = KVEventStream(config, BLOCK_SIZE, ZmqEventPublisher(config))

@@ -86,9 +86,9 @@ def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
     """One sequence's attention rows through `attend`: computed from position 0, then again with
     prefixes of several sizes already in the pages, in chunks, and beside another sequence:
     every row the same bits."""
+    from kvtool.engine.core.messages import ScheduledRequest
     from kvtool.engine.kernels.attention import AttentionMetadata, attend, attention_context, select_backend
     from kvtool.engine.kv.pages import KVGeometry, KVPages
-    from kvtool.engine.core.messages import ScheduledRequest
     from kvtool.engine.worker.model_runner import decode_rows, pack_step
 
     assert select_backend(DEV, torch.bfloat16, 128) == "cuda"
@@ -238,12 +238,12 @@ def test_the_last_layer_of_the_sampled_rows_alone_gives_their_bits(tmp_path):
     bit, and the pages hold the same K/V, for prompts alone, beside a chunk that samples nothing,
     over a cached prefix, beside decode rows (both decode kernels), and for a step that samples
     nothing at all. Qwen3-0.6B's shapes with random weights."""
+    from kvtool.engine.core.messages import ScheduledRequest
     from kvtool.engine.kernels.attention import AttentionMetadata, attention_context, select_backend
     from kvtool.engine.kv.pages import KVGeometry, KVPages
-    from kvtool.engine.core.messages import ScheduledRequest
-    from kvtool.engine.models.model_dir import open_model_dir
     from kvtool.engine.models import build_model
     from kvtool.engine.models.fast_paths import apply_fast_paths
+    from kvtool.engine.models.model_dir import open_model_dir
     from kvtool.engine.presets.catalog import create_model_dir
     from kvtool.engine.worker.model_runner import decode_rows, pack_step
 

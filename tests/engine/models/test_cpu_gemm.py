@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE
-from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.models import build_model
 from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.cpu_gemm import CpuLinear, few_rows_multiple, pack_cpu_linears
 from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.layers import pad_rows_on_cpu
+from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.presets.catalog import PRESETS
 
 # (out, in) of q/k/v, o_proj, gate/up, down_proj and the LM head of the tiny preset, of the

@@ -11,10 +11,10 @@ import torch
 
 from kvtool.engine.kernels.attention import AttentionMetadata, SeqSpan, attention_context
 from kvtool.engine.kv.pages import KVGeometry, KVPages
-from kvtool.engine.models.model_dir import ModelConfig, parse_config
 from kvtool.engine.models import build_model
 from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.fast_paths import apply_fast_paths
+from kvtool.engine.models.model_dir import ModelConfig, parse_config
 from kvtool.engine.presets.catalog import PRESETS
 
 BS = 16

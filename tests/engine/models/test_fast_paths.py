@@ -18,12 +18,12 @@ from torch import nn
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE, AttentionMetadata, SeqSpan, attention_context
 from kvtool.engine.kv.pages import KVGeometry, KVPages
-from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.models import build_model
 from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.presets.catalog import PRESETS
 from kvtool.engine.worker.model_runner import ModelRunner
 
@@ -166,8 +166,8 @@ def cuda_modules(monkeypatch):
         stub.language.constexpr = object
         monkeypatch.setitem(sys.modules, "triton", stub)
         monkeypatch.setitem(sys.modules, "triton.language", stub.language)
-    from kvtool.engine.models import fused_ops
     from kvtool.engine.kernels import row_invariant_gemm
+    from kvtool.engine.models import fused_ops
 
     routes: list[str] = []
     monkeypatch.setattr(row_invariant_gemm, "triton_mm", lambda a, w, config=None: routes.append("invariant") or a @ w.T)

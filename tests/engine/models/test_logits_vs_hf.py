@@ -15,11 +15,11 @@ import torch
 
 from kvtool.engine.kernels.attention import AttentionMetadata, SeqSpan, attention_context
 from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry, KVPages
-from kvtool.engine.models.model_dir import ModelConfig, open_model_dir
 from kvtool.engine.models import build_model
 from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.layers import rope_inv_freq
+from kvtool.engine.models.model_dir import ModelConfig, open_model_dir
 from kvtool.engine.presets.catalog import write_random_model_dir
 
 NUM_PROMPT_TOKENS = 64

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvtool.engine.errors import ConfigError, InputError, ModelError
-from kvtool.engine.models.model_dir import config_digest, open_model_dir, parse_config, weights_digest
 from kvtool.engine.models import build_model, parameter_shapes
-from kvtool.engine.presets.catalog import PRESETS, count_parameters, create_model_dir, write_random_model_dir
+from kvtool.engine.models.model_dir import config_digest, open_model_dir, parse_config, weights_digest
 from kvtool.engine.models.tokenizer import CHATML_TEMPLATE
+from kvtool.engine.presets.catalog import PRESETS, count_parameters, create_model_dir, write_random_model_dir
 
 
 def small_config(arch: str = "qwen3", form: str = "classic", **overrides) -> dict:

@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtool.engine.kv.pages import KVGeometry, KVPages
 from kvtool.engine.core.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvtool.engine.errors import ModelError
-from kvtool.engine.models.model_dir import open_model_dir
+from kvtool.engine.kv.pages import KVGeometry, KVPages
 from kvtool.engine.models import build_model, iter_dummy_tensors
+from kvtool.engine.models.model_dir import open_model_dir
+from kvtool.engine.models.shard_layout import TPRank
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.worker.model_runner import ModelRunner
 from kvtool.workloads.local_process import free_port
-from kvtool.engine.models.shard_layout import TPRank
 
 BLOCK_SIZE = 16
 DECODE_STEPS = 4

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.models import build_model, parameter_shapes, rank_heads, shard_slices
-from kvtool.engine.presets.catalog import PRESETS
+from kvtool.engine.models.model_dir import parse_config
 from kvtool.engine.models.shard_layout import TPRank
+from kvtool.engine.presets.catalog import PRESETS
 
 QWEN3_8B = parse_config(PRESETS["qwen3-8b"].hf_config)
 

@@ -60,9 +60,9 @@ from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-export
     LMCacheSettings,
     parse_settings,
 )
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header, tensor_buffer
 from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.stores.store_factory import open_store
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header, tensor_buffer
 from kvtool.engine.errors import KVRefused, KVToolError, PeerError
 from kvtool.engine.kv.pages import DTYPES, KVGeometry
 from kvtool.engine.models.shard_layout import TPRank

@@ -25,8 +25,8 @@ from kvtool.engine.connectors.offloading.disk.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.eviction import RequestAccess
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
 from kvtool.engine.connectors.offloading.store_filter import make_offer_counter
-from kvtool.engine.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.core.messages import KVConnectorOutput
+from kvtool.engine.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.outputs import CPUTierUsage
 
 

@@ -23,8 +23,8 @@ from kvtool.engine.connectors.offloading.secondary_tiers import (
     MAX_PATH_CHARS,
     parse_secondary_tiers,
 )
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.config.sizes import MAX_SIZE_BYTES, check_fits_memory
+from kvtool.engine.errors import ConfigError
 
 CONNECTOR = "OffloadingConnector"
 MAX_OFFLOAD_BLOCK_TOKENS = 1 << 20

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from kvtool.engine.connectors.base import ConnectorContext, WorkerHalf
+from kvtool.engine.connectors.offloading.copy.transfers import SlotTransfers
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool
 from kvtool.engine.connectors.offloading.disk.disk_tier import DiskTier
 from kvtool.engine.connectors.offloading.jobs import OffloadingCompletions
 from kvtool.engine.connectors.offloading.scheduler import block_hash_of
-from kvtool.engine.connectors.offloading.copy.transfers import SlotTransfers
 from kvtool.engine.errors import KVRefused
 from kvtool.engine.kv.pages import refuse_geometry_mismatch
 

@@ -19,12 +19,12 @@ from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, key_for_worker, make_chunk_keys
 from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 from kvtool.engine.connectors.lmcache.stores.protocol import MemoryFormat, dtype_code, tensor_buffer
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.core.hashing import make_none_hash
+from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.identity import identity_for_model
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.peer.env import peer_python
 from kvtool.peer.compare import compare_many_with_peer
+from kvtool.peer.env import peer_python
 from tests.support.peer_server import finish_client, run_lmcache_client
 from tests.support.tp_ranks import RankedHalves, head_slice
 

@@ -19,8 +19,8 @@ import torch
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.core.hashing import make_none_hash
-from kvtool.engine.kv.identity import identity_for_model
 from kvtool.engine.core.messages import KVConnectorOutput
+from kvtool.engine.kv.identity import identity_for_model
 from kvtool.engine.params import EngineParams, SamplingParams
 from tests.support.tp_ranks import RankedHalves, head_slice
 

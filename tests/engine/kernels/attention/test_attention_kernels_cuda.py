@@ -233,9 +233,9 @@ def test_fused_model_matches_plain_model(arch):
     """The same weights with and without the fused ops: logits and the stored K/V agree within bf16."""
     from kvtool.engine.kernels.attention import AttentionMetadata, attention_context
     from kvtool.engine.kv.pages import KVGeometry, KVPages
-    from kvtool.engine.models.model_dir import parse_config
     from kvtool.engine.models import build_model
     from kvtool.engine.models.fast_paths import apply_fast_paths
+    from kvtool.engine.models.model_dir import parse_config
     from kvtool.engine.presets.catalog import PRESETS
     from kvtool.engine.worker.model_runner import decode_rows, pack_step
 

@@ -19,9 +19,9 @@ import math
 import struct
 from collections.abc import Sequence
 
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
 from kvtool.engine.connectors.lmcache.stores.resp_base import RespStore, logger
 from kvtool.engine.connectors.lmcache.stores.store import Buffer
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
 
 KV_SUFFIX = "kv_bytes"

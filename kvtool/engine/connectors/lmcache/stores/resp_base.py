@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
+from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
 from kvtool.engine.errors import ConfigError, KVToolError, PeerError
 
 logger = logging.getLogger("kvtool.lmcache")

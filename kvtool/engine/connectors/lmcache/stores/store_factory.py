@@ -4,9 +4,9 @@ valkey:// (ValkeyStore). The store modules depend on store.py's types; this fact
 
 from __future__ import annotations
 
-from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress
 from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
+from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress
 from kvtool.engine.errors import ConfigError
 
 

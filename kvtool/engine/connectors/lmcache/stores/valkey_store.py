@@ -15,9 +15,9 @@ import logging
 from collections.abc import Sequence
 
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_HEADER, DIGEST_SUFFIX
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
 from kvtool.engine.connectors.lmcache.stores.resp_base import RespStore
 from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
 from kvtool.engine.errors import KVToolError
 
 logger = logging.getLogger("kvtool.lmcache")

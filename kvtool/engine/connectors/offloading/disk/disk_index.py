@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvtool.engine.connectors.offloading.disk.tier_layout import BLOCK_SUFFIX, TIER_SUBDIR
 from kvtool.engine.connectors.offloading.disk.tier_identity import KVIdentity, tier_digest
+from kvtool.engine.connectors.offloading.disk.tier_layout import BLOCK_SUFFIX, TIER_SUBDIR
 
 REFRESH_S = 2.0
 

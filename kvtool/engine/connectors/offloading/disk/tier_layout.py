@@ -19,8 +19,8 @@ from typing import Literal, NamedTuple
 
 import blake3
 
-from kvtool.engine.connectors.offloading.disk.tier_identity import TierFileRefused
 from kvtool.engine.connectors.offloading.disk.tier_fs import file_type_name, open_dir_at
+from kvtool.engine.connectors.offloading.disk.tier_identity import TierFileRefused
 
 TIER_SUBDIR = "kv"
 BLOCK_SUFFIX = ".kvb"

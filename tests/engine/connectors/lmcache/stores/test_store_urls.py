@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvtool.engine.connectors.lmcache.connector import parse_settings
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header
 from kvtool.engine.connectors.lmcache.stores.redis_store import decode_metadata, encode_metadata
 from kvtool.engine.connectors.lmcache.stores.store import StoreAddress, parse_store_url, store_address
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header
 from kvtool.engine.errors import ConfigError, KVRefused, PeerError
 
 SECRET = "pa:ss@w0rd"
