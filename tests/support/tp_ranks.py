@@ -2,7 +2,7 @@
 
 The scheduler half gets the engine identity with tp_size N, tp_rank 0 and rank 0's geometry;
 each rank's worker half gets the identity with its rank and its KV-head shard
-(tp_layout.kv_head_range) and KVPages of the shard's shape. Metadata reaches the workers as a
+(shard_layout.kv_head_range) and KVPages of the shard's shape. Metadata reaches the workers as a
 pickled copy, as it would cross a process boundary.
 """
 

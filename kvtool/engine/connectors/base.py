@@ -92,7 +92,7 @@ class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
 def identity_of_rank(identity: EngineIdentity, size: int, rank: int) -> EngineIdentity:
     """The identity of rank `rank` of a TP-`size` engine, from the engine's or any rank's identity.
 
-    The rank's KV heads are tp_layout's split of `model_num_kv_heads`, when `identity` itself
+    The rank's KV heads are shard_layout's split of `model_num_kv_heads`, when `identity` itself
     holds its own share of them; an identity holding every head (a replicated, unsharded model)
     gives every rank every head. Raises ConfigError for a TP>1 identity that does not know the
     model's KV heads.

@@ -1,6 +1,6 @@
 """`--kv-transfer-config`: vLLM's KVTransferConfig JSON, read as vLLM 0.33 reads it.
 
-The document is the one vLLM takes, with vLLM's command-line rules (config_json.py): an
+The document is the one vLLM takes, with vLLM's command-line rules (config/json_document.py): an
 unquoted size such as `{"cpu_bytes_to_use": 8G}` is expanded to its integer before the JSON is
 parsed, and unknown top-level keys are refused. Sizes inside kv_connector_extra_config may also
 be JSON strings with vLLM's suffixes (`"80m"` = 80 * 10**6, `"8G"` = 8 * 2**30; sizes.py), which
@@ -64,7 +64,7 @@ def parse_human_int(text: str) -> int:
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
-    """Parse the flag's JSON as vLLM 0.33 does (config_json.py): `None`, `""` and `"None"` mean
+    """Parse the flag's JSON as vLLM 0.33 does (config/json_document.py): `None`, `""` and `"None"` mean
     no connector; unquoted sizes such as `8G` are expanded; `kv_port` and
     `enable_permute_local_kv` take pydantic's lax forms (`"15000"`, `"true"`).
 

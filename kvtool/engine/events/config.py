@@ -1,4 +1,4 @@
-"""`--kv-events-config`: vLLM's KVEventsConfig JSON, read as vLLM 0.33 reads it (config_json.py).
+"""`--kv-events-config`: vLLM's KVEventsConfig JSON, read as vLLM 0.33 reads it (config/json_document.py).
 
 The document is the one vLLM 0.33 takes (`vllm/config/kv_events.py`), field for field and with
 vLLM's defaults. `publisher` left out means "zmq" when events are enabled, else "null".
@@ -63,7 +63,7 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
-    """Parse the flag's JSON as vLLM 0.33 does (config_json.py): `None`, `""` and `"None"` mean
+    """Parse the flag's JSON as vLLM 0.33 does (config/json_document.py): `None`, `""` and `"None"` mean
     no events; unquoted sizes such as `100k` are expanded; the int and bool fields take pydantic's
     lax forms (`"10000"`, `"true"`).
 

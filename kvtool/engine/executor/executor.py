@@ -12,8 +12,8 @@ The engine holds one Executor and drives it the same way at every tensor-paralle
     failure                       the error that broke a rank group, or None
     close()                       the worker halves write pending stores and stop; idempotent
 
-`InProcessExecutor` (tensor-parallel size 1) runs one Worker (worker.py) in the engine's
-process; `MultiprocExecutor` (tp_executor.py, size N > 1) runs one per rank process.
+`InProcessExecutor` (tensor-parallel size 1) runs one Worker (worker/worker.py) in the engine's
+process; `MultiprocExecutor` (multiprocess.py, size N > 1) runs one per rank process.
 `build_executor` picks one; no other module needs to know which.
 """
 

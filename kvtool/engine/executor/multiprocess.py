@@ -1,14 +1,14 @@
-"""The engine's side of tensor parallelism: N worker processes (tp_worker.py), one rank each.
+"""The engine's side of tensor parallelism: N worker processes (rank_process.py), one rank each.
 
 `MultiprocExecutor` is the Executor (executor.py) of a tensor-parallel size N > 1: the engine
 drives it exactly as it drives the in-process one. Every step's SchedulerOutput is pickled
 once and sent to every rank (a multiprocessing Pipe each); every rank runs the step and samples
 from the full logits, so the ranks' batch state stays identical; rank 0's samples come back,
-and the ranks' connector outputs are merged (tp_output.py).
+and the ranks' connector outputs are merged (kv_output_aggregator.py).
 
 A worker that dies or fails makes every later call raise one WorkerError naming the rank; the
 engine then closes the executor, which stops (or kills) what is left of the group. Workers
-never outlive the engine process (tp_worker.py says how).
+never outlive the engine process (rank_process.py says how).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class _PendingStep:
 
 
 class MultiprocExecutor:
-    """N ranks in N processes, each a Worker (worker.py) behind a pipe."""
+    """N ranks in N processes, each a Worker (worker/worker.py) behind a pipe."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         """Start one process per spec (rank order) and wait until each has built its model.

@@ -1,7 +1,7 @@
-"""One tensor-parallel rank in its own process: a Worker (worker.py: its shard of the model, its
+"""One tensor-parallel rank in its own process: a Worker (worker/worker.py: its shard of the model, its
 KV pages, its connector worker half and a ModelRunner), driven by the engine's per-step messages.
 
-The engine process (tp_executor.py) starts it with multiprocessing's 'spawn' and talks to it
+The engine process (multiprocess.py) starts it with multiprocessing's 'spawn' and talks to it
 over one Pipe. Every message gets exactly one reply, in order:
 
     engine                               worker
@@ -95,7 +95,7 @@ def _reply_error(conn: Connection, e: BaseException) -> None:
 
 
 class _RankProcess:
-    """The process side of one rank: the process group, and the rank's Worker (worker.py)."""
+    """The process side of one rank: the process group, and the rank's Worker (worker/worker.py)."""
 
     def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
         import torch

@@ -5,7 +5,7 @@ vocab-parallel embedding, and the gather that gives every rank the full logits.
 Column-parallel projections (q/k/v, gate/up) need no module of their own: they are plain
 `nn.Linear`s with the rank's rows, and their outputs stay local to the rank (its heads, its MLP
 rows). Row-parallel ones (o_proj, down_proj) see the rank's columns of the input and sum over
-the ranks with ONE all-reduce. Every split comes from `tp_layout`, so the engine, the weight
+the ranks with ONE all-reduce. Every split comes from `shard_layout`, so the engine, the weight
 loader and the connectors agree on which heads and rows a rank holds.
 
 At tp.size == 1 none of this is used: the models build today's plain modules.

@@ -1,7 +1,7 @@
 """One rank's execution state: its model (shard), KV pages, connector worker half and runner.
 
 `build_worker` makes one. The engine's own process holds one at tensor-parallel size 1
-(executor.py's InProcessExecutor); at size N each rank's process holds one (tp_worker.py), so
+(executor/executor.py's InProcessExecutor); at size N each rank's process holds one (executor/rank_process.py), so
 a rank is built the same way wherever it runs. Life of a worker, driven by its executor:
 
     build_worker             the rank's model on its device (seeded from --seed)

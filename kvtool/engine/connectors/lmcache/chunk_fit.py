@@ -53,7 +53,7 @@ def chunk_geometry_of_rank(
 ) -> ChunkGeometry:
     """The chunk rank `tp.rank` of a TP-`tp.size` writer of a model with `num_kv_heads` writes.
 
-    The rank's KV heads are tp_layout's split (vLLM's when they divide evenly). Raises
+    The rank's KV heads are shard_layout's split (vLLM's when they divide evenly). Raises
     ConfigError for a dtype torch does not know.
     """
     dtype = _torch_dtype(kv_dtype)

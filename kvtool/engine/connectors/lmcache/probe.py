@@ -38,7 +38,7 @@ class ChunkProbe(msgspec.Struct, frozen=True, kw_only=True):
 def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1, worker_id: int = 0) -> ChunkGeometry:
     """The chunk rank `worker_id` of a `world_size`-way tensor-parallel writer of a model config writes.
 
-    The rank's KV heads are tp_layout's split, as the engine shards them (vLLM's when they
+    The rank's KV heads are shard_layout's split, as the engine shards them (vLLM's when they
     divide evenly). Raises ConfigError for a dtype torch does not know or a rank outside the size.
     """
     tp = TPRank(world_size, worker_id)

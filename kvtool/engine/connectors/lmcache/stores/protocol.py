@@ -5,7 +5,7 @@ right-padded with ASCII spaces), followed by `length` payload bytes for a PUT. O
 36-byte header (`<9i`: code, length, fmt, dtype, shape[4], location *last*), followed by `length`
 payload bytes after a GET hit. Requests on one connection are answered strictly in order; PUT gets
 no reply at all and LIST never gets one, so the client never sends LIST and confirms every PUT with
-an EXIST on the same connection (client.py).
+an EXIST on the same connection (lm_client.py).
 
 A reply is checked against the caller's buffer (and against the expected geometry, when given)
 before one payload byte is read, so a malformed or oversized reply allocates nothing.

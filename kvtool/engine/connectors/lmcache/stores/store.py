@@ -1,7 +1,7 @@
 """Which remote store the LMCacheConnector talks to: `remote_url` parsed, and a store opened.
 
 Both halves of the connector use only the operations of `RemoteStore`; the lm:// `LMClient`
-(wire.py) has them already, and the Redis family (redis_store.py, valkey_store.py) has them too,
+(lm_client.py) has them already, and the Redis family (redis_store.py, valkey_store.py) has them too,
 so the halves never know which store they use.
 
 Schemes (LMCache's own `remote_url` spellings):

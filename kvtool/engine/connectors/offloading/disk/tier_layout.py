@@ -1,7 +1,7 @@
 """Where a disk tier keeps what, and a walk over it that never follows a link.
 
     <root_dir>/kv/.ledger                                       used bytes, under flock
-    <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/<h>.kvb        header + payload (identity.py)
+    <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/<h>.kvb        header + payload (tier_identity.py)
     <root_dir>/kv/<tier_digest>/<h[:2]>/<h[2:4]>/.<h>.kvb.<host>.<pid>.<rand>.tmp   in flight
 
 The digest covers every compared identity field, tp_size and tp_rank included: each
