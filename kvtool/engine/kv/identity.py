@@ -32,8 +32,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _rope_digest(config) -> str:
+def _rope_digest(config, max_model_len: int) -> str:
     doc = {"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling}
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":  # its factors follow the engine's length (models/rope.py)
+        doc["longrope_long"] = max_model_len > scaling["original_max_position_embeddings"]
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -48,7 +51,7 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
         architecture=cfg.architecture,
         config_digest=config_digest(cfg),
         weights_digest=weights_digest(model_dir, params.load_format, params.seed),
-        rope_digest=_rope_digest(cfg),
+        rope_digest=_rope_digest(cfg, params.max_model_len or cfg.max_position_embeddings),
         sliding_window=cfg.sliding_window or 0,
         weight_quantization="none",
         kv_dtype=kv_dtype,

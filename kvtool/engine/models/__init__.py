@@ -26,8 +26,10 @@ from safetensors import safe_open
 from kvtool.engine.errors import ConfigError, ModelError
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
+from kvtool.engine.models.mistral import MistralForCausalLM
 from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
+from kvtool.engine.models.qwen2 import Qwen2ForCausalLM
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
 from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 
@@ -38,6 +40,8 @@ __all__ = [
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
@@ -54,6 +58,7 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPRank = TPRank(),
+    max_model_len: int | None = None,
 ) -> CausalLM:
     """Create the model for `source` on `device` in `dtype`, in eval mode without gradients.
 
@@ -66,6 +71,9 @@ def build_model(
     With `tp` of size > 1 it builds rank tp.rank's shard; the default process group of
     torch.distributed must be initialised with tp.size ranks (ConfigError otherwise, or when
     the model's heads do not split into tp.size ranks).
+
+    RoPE is computed for sequences of up to `max_model_len` tokens (None: max_position_embeddings);
+    only longrope's frequencies depend on it (`rope`).
     """
     config = source.config if isinstance(source, ModelDir) else source
     device = torch.device(device)
@@ -75,7 +83,7 @@ def build_model(
     slices = shard_slices(config, tp)
     with torch.device("meta"):
         model = cls(config, tp)
-    _materialize(model, device, dtype)
+    _materialize(model, device, dtype, max_model_len)
     model.eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -107,7 +115,7 @@ def _check_tp_group(config: ModelConfig, tp: TPRank) -> None:
         )
 
 
-def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int | None) -> None:
     # Allocate each meta parameter directly (uninitialised; it is filled right after). Unlike
     # Module.to_empty this runs no meta-tensor op, which would import torch's compiler stack.
     for module in model.modules():
@@ -115,7 +123,7 @@ def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype) -> N
             empty = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
         if isinstance(module, RotaryEmbedding):
-            module.reset_inv_freq(device)
+            module.reset_inv_freq(device, max_model_len)
 
 
 def _model_class(config: ModelConfig) -> type[CausalLM]:

@@ -1,4 +1,4 @@
-"""Pieces shared by the decoder-only models: RMSNorm, rotary embedding (llama3 scaling), gated MLP,
+"""Pieces shared by the decoder-only models: RMSNorm, rotary embedding (frequencies from `rope`), gated MLP,
 and the decoder skeleton that each model file fills with its own attention.
 
 Every operation follows transformers' reference order (float32 norm statistics, cos/sin in float32
@@ -21,9 +21,7 @@ returns says what it chose for a model.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +30,7 @@ from torch import nn
 from kvtool.engine.kernels.attention import ROW_MULTIPLE
 from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.parallel import RowParallelLinear, VocabParallelEmbedding, gather_vocab
+from kvtool.engine.models.rope import rope_frequencies
 from kvtool.engine.models.shard_layout import TPRank, split_range
 
 
@@ -76,45 +75,33 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of RoPE on CPU in float32, with llama3 scaling when given. Returns [head_dim // 2]."""
-    # Explicitly on CPU, also inside a `torch.device("meta")` block: meta ops would import torch's compiler.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of one forward; computed per step from a [D/2] buffer."""
+    """cos/sin tables for the positions of one forward; computed per step from a [D/2] buffer and
+    the attention factor (`rope.rope_frequencies`, for sequences of up to `seq_len` tokens)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, config: ModelConfig, seq_len: int | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        self.theta = theta
-        self.scaling = scaling
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.config = config
+        self.seq_len = seq_len
+        inv_freq, self.attention_factor = rope_frequencies(config, seq_len)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def reset_inv_freq(self, device: torch.device) -> None:
-        """Recompute the float32 buffer on `device` (a model built on the meta device has none)."""
-        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+    def reset_inv_freq(self, device: torch.device, seq_len: int | None = None) -> None:
+        """Recompute the float32 buffer on `device` (a model built on the meta device has none),
+        for sequences of up to `seq_len` tokens (None: as before)."""
+        if seq_len is not None:
+            self.seq_len = seq_len
+        inv_freq, self.attention_factor = rope_frequencies(self.config, self.seq_len)
+        self.inv_freq = inv_freq.to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions [T]. Returns ([T, D], [T, D]) in `dtype`."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # yarn, longrope: scaled in float32, before the cast
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,7 +188,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config)
         # On CPU, a step of at most ROW_MULTIPLE rows is padded to a multiple of this
         # (`apply_fast_paths` lowers it where the machine's products give those few rows the bits
         # of larger batches).

@@ -16,7 +16,11 @@ from kvtool.engine.models.shard_layout import TPRank
 
 class LlamaAttention(nn.Module):
     """Attention over the rank's heads: q/k/v column-parallel (the rank's heads' rows), o_proj
-    row-parallel (one all-reduce) at tp.size > 1; the whole model's heads at tp.size 1."""
+    row-parallel (one all-reduce) at tp.size > 1; the whole model's heads at tp.size 1.
+    config.attention_bias gives q/k/v biases, and o_proj one where `o_proj_bias` says so."""
+
+    # Whether o_proj has a bias when config.attention_bias is set (Qwen2: never).
+    o_proj_bias = True
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPRank = TPRank()) -> None:
         super().__init__()
@@ -31,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         o_cls = nn.Linear if tp.size == 1 else RowParallelLinear
-        self.o_proj = o_cls(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = o_cls(self.num_heads * self.head_dim, config.hidden_size, bias=bias and self.o_proj_bias)
         # fast_forward(self, x, cos, sin): q/k/v as one product, then one norm-and-rotate pass
         # (set by `models.fast_paths.apply_fast_paths`, with that product's weight; Qwen3's too).
         # None runs the forward below.

@@ -27,10 +27,14 @@ import msgspec
 
 from kvtool.engine.errors import ModelError
 from kvtool.engine.kv.dtypes import canonical_dtype
+from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# max_position_embeddings when config.json leaves it out: the transformers config class's default.
+_DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "MistralForCausalLM": 4096 * 32}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -41,7 +45,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     `rope_parameters` (theta and scaling in one dict), `dtype`.
     """
 
-    architecture: str  # "LlamaForCausalLM" | "Qwen3ForCausalLM"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,16 +55,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    # None for plain RoPE; otherwise {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}.
+    # None for plain RoPE; otherwise the normalised scaling dict of `rope.parse_rope`.
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Biases on q/k/v, and on o_proj too except in Qwen2 (whose config has no such key: its
+    # q/k/v always have biases, its o_proj none).
     attention_bias: bool
     torch_dtype: str  # dtype the weights were saved in: "float32" | "bfloat16" | "float16"
     bos_token_id: int | None
     eos_token_ids: list[int]
-    # Always None for the supported configs (sliding-window directories are refused); kept for identity.
+    # Mistral's attention window (tokens); None for full attention. The engine runs such a model
+    # only with --max-model-len at most the window, where it is full attention.
     sliding_window: int | None = None
 
 
@@ -151,12 +157,18 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
     if get("mlp_bias", bool, False):
         raise ModelError(f"{where}: mlp_bias=true is not supported")
-    sliding_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
+    # Mistral's config applies `sliding_window` when set (null: full attention); Qwen's only with
+    # use_sliding_window, which is refused.
+    # (An absent key is transformers' default window, 4096.)
+    mistral_window = get("sliding_window", int, 4096) if arch == "MistralForCausalLM" else None
+    qwen_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
     layer_types = get("layer_types", list, None) or []
-    if sliding_window is not None or any(t != "full_attention" for t in layer_types):
+    if qwen_window is not None or (arch != "MistralForCausalLM" and any(t != "full_attention" for t in layer_types)):
         raise ModelError(f"{where}: sliding-window attention is not supported")
+    if mistral_window is not None and mistral_window <= 0:
+        raise ModelError(f"{where}: 'sliding_window' must be positive, got {mistral_window}")
 
-    rope_theta, rope_scaling = _parse_rope(raw, where)
+    rope_theta, rope_scaling = parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     dtype = canonical_dtype(dtype_name)
     if dtype is None:
@@ -182,53 +194,14 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=get("max_position_embeddings", int, 32768 if arch == "Qwen3ForCausalLM" else 2048),
+        max_position_embeddings=get("max_position_embeddings", int, _DEFAULT_MAX_POSITIONS.get(arch, 2048)),
         tie_word_embeddings=get("tie_word_embeddings", bool, False),
-        attention_bias=get("attention_bias", bool, False),
+        attention_bias=arch == "Qwen2ForCausalLM" or get("attention_bias", bool, False),
         torch_dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
-        sliding_window=None,
+        sliding_window=mistral_window,
     )
-
-
-def _parse_rope(raw: dict[str, Any], where: Path | str) -> tuple[float, dict[str, Any] | None]:
-    # Transformers 5 folds rope_theta into rope_parameters; the classic form keeps them apart.
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-    elif not isinstance(params, dict):
-        raise ModelError(f"{where}: 'rope_parameters' must be an object")
-    else:
-        params = dict(params)
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = raw.get("rope_theta", 10000.0)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ModelError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ModelError(f"{where}: partial_rotary_factor={partial} is not supported")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise ModelError(f"{where}: unsupported rope type {rope_type!r} (supported: default, llama3)")
-    try:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": float(params["factor"]),
-            "low_freq_factor": float(params["low_freq_factor"]),
-            "high_freq_factor": float(params["high_freq_factor"]),
-            "original_max_position_embeddings": int(
-                params.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
-            ),
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelError(f"{where}: llama3 rope scaling lacks or mistypes {e}") from None
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ModelError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor")
-    return float(theta), scaling
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:

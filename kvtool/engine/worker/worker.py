@@ -102,5 +102,6 @@ def build_worker(params: EngineParams, model_dir, device: torch.device, dtype: t
     from kvtool.engine.models import build_model
 
     torch.manual_seed(params.seed)
-    model = build_model(model_dir, device, dtype, params.load_format, params.seed, tp=tp)
+    model = build_model(model_dir, device, dtype, params.load_format, params.seed, tp=tp,
+                        max_model_len=max_model_len)
     return Worker(model, model_dir.config, params, device, dtype, tp, max_model_len, identity, none_hash)

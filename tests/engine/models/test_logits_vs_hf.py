@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -18,8 +19,8 @@ from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry, KVPages
 from kvtool.engine.models import build_model
 from kvtool.engine.models.cpu_fused import fuse_cpu_modules
 from kvtool.engine.models.fast_paths import apply_fast_paths
-from kvtool.engine.models.layers import rope_inv_freq
 from kvtool.engine.models.model_dir import ModelConfig, open_model_dir
+from kvtool.engine.models.rope import rope_frequencies
 from kvtool.engine.presets.catalog import write_random_model_dir
 
 NUM_PROMPT_TOKENS = 64
@@ -103,8 +104,20 @@ def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
     assert ref[len(prompt) - 1 : -1].argmax(dim=-1).tolist() == generated
 
 
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+               "MistralForCausalLM": "mistral"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+
+
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 16,
+             "beta_slow": 2}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 3.0}
+# head_dim 16: 8 factors each; the engine's length (512) exceeds 64, so the long ones are used.
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0]}
+DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0}
 
 
 def config(arch: str, *, heads: int, kv_heads: int, tied: bool, form: str = "classic", hidden: int = 64,
@@ -112,12 +125,16 @@ def config(arch: str, *, heads: int, kv_heads: int, tied: bool, form: str = "cla
     """A small config.json (2 layers); `form` picks classic (rope_theta/rope_scaling/torch_dtype) or
     transformers 5 (rope_parameters/dtype)."""
     cfg = {
-        "architectures": [arch], "model_type": "qwen3" if arch.startswith("Qwen3") else "llama",
+        "architectures": [arch], "model_type": MODEL_TYPES[arch],
         "vocab_size": 384, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 512, "tie_word_embeddings": tied, "attention_bias": bias,
         "hidden_act": "silu", "bos_token_id": 256, "eos_token_id": 258,
     }
+    if arch == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    if arch == "Qwen2ForCausalLM":
+        del cfg["attention_bias"]
     if head_dim is not None or arch.startswith("Qwen3"):
         cfg["head_dim"] = head_dim or hidden // heads
     if form == "classic":
@@ -135,6 +152,13 @@ RANDOM_CONFIGS = {
     "llama-gqa2-tied-llama3-v5": config("LlamaForCausalLM", heads=6, kv_heads=3, tied=True, hidden=96,
                                         form="v5", rope=LLAMA3_ROPE),
     "llama-gqa1-tied-bias": config("LlamaForCausalLM", heads=4, kv_heads=4, tied=True, head_dim=16, bias=True),
+    # Qwen2: q/k/v biases, none on o_proj (its config has no attention_bias key).
+    "qwen2-gqa2-tied": config("Qwen2ForCausalLM", heads=4, kv_heads=2, tied=True),
+    "qwen2-gqa4-untied-yarn-v5": config("Qwen2ForCausalLM", heads=8, kv_heads=2, tied=False, form="v5", rope=YARN_ROPE),
+    "mistral-gqa2-untied-linear": config("MistralForCausalLM", heads=4, kv_heads=2, tied=False, rope=LINEAR_ROPE),
+    "mistral-gqa2-untied-longrope-v5": config("MistralForCausalLM", heads=4, kv_heads=2, tied=False, form="v5",
+                                              rope=LONGROPE),
+    "qwen2-gqa2-tied-dynamic": config("Qwen2ForCausalLM", heads=4, kv_heads=2, tied=True, rope=DYNAMIC_ROPE),
 }
 
 
@@ -148,8 +172,10 @@ def test_random_config_matches_transformers(tmp_path, name, products):
     assert (d / "model.safetensors.index.json").is_file() == (shard_bytes < 1 << 30)
     if cfg.rope_scaling is not None:
         # The scaled frequencies must differ from plain RoPE for this test to prove anything.
-        assert not torch.equal(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                               rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
+        plain = msgspec.structs.replace(cfg, rope_scaling=None)
+        # (dynamic is plain up to max_position_embeddings, the longest sequence the engine runs)
+        if cfg.rope_scaling["rope_type"] != "dynamic":
+            assert not torch.equal(rope_frequencies(cfg)[0], rope_frequencies(plain)[0])
     g = torch.Generator().manual_seed(len(name))
     prompt = torch.randint(0, 259, (NUM_PROMPT_TOKENS,), generator=g).tolist()
     check_against_hf(d, prompt, products)

@@ -192,16 +192,21 @@ def test_missing_dir(tmp_path):
 
 def test_unsupported_architecture(model_dir):
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match="config.json: unsupported architecture 'MistralForCausalLM'") as e:
+    with pytest.raises(ModelError, match="config.json: unsupported architecture 'GPT2LMHeadModel'") as e:
         open_model_dir(model_dir)
-    one_line_error(e)
+    line = one_line_error(e)
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in line
 
 
 def test_unsupported_rope_and_sliding_window(model_dir):
     for change, match in (
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}},
+         "unsupported rope type 'mrope' \\(supported: default, linear, dynamic, yarn, longrope, llama3\\)"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "longrope rope scaling lacks"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "positive factor"),
         ({"use_sliding_window": True, "sliding_window": 128}, "sliding-window"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"vocab_size": 200}, "tokenizer.json: token id 258 is outside config.json's vocab_size 200"),
