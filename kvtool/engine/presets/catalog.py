@@ -3,13 +3,17 @@
 Presets:
 
     tiny                    Qwen3, ~3.3M parameters, 512-id vocabulary: tests and CPU smoke runs
+    tiny-qwen2, tiny-mistral  the same scale in Qwen2's and Mistral's shapes (tests)
     qwen3-0.6b, qwen3-8b    the public Qwen3 config.json values, random weights
+    qwen2.5-0.5b, qwen2.5-7b  the public Qwen2.5 Instruct config.json values, random weights
     llama-3.1-8b            the public Llama-3.1-8B-Instruct config.json values, random weights
+    mistral-7b              the public Mistral-7B-Instruct-v0.3 config.json values, random weights
     smollm2-135m-instruct   the real SmolLM2-135M-Instruct, converted from the embedded GGUF
 
 The random presets ship a byte-level tokenizer built with the `tokenizers` library: one id per
 byte (ids 0..255), so any text round-trips, plus the family's special tokens at their real ids
-(ChatML for Qwen3, Llama 3's header/eot tokens). The config keeps the real vocab_size, so the ids
+(ChatML for Qwen, Llama 3's header/eot tokens, Mistral's <s>, </s>, [INST], [/INST]; Mistral's
+sit below the bytes, which then start at id 8). The config keeps the real vocab_size, so the ids
 between 256 and the special tokens exist in the embedding but never come out of encode (they
 decode to nothing). The 8B presets are meant for `--load-format dummy` on a GPU: with
 --config-only only config.json, generation_config.json and the tokenizer files are written.
@@ -55,6 +59,8 @@ class TokenizerSpec(msgspec.Struct, frozen=True, kw_only=True):
     pad_token: str | None = None
     # Prepend bos_token on encode(add_special_tokens=True), as Llama 3's tokenizer does.
     add_bos: bool = False
+    # The id of byte 0 (bytes take ids byte_offset .. byte_offset + 255).
+    byte_offset: int = 0
     chat_template: str = CHATML_TEMPLATE
 
 
@@ -94,6 +100,40 @@ _LLAMA3 = TokenizerSpec(
     },
     bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", add_bos=True, chat_template=LLAMA3_TEMPLATE,
 )
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+_MISTRAL = TokenizerSpec(
+    special_tokens={"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4},
+    bos_token="<s>", eos_token="</s>", add_bos=True, byte_offset=8, chat_template=MISTRAL_TEMPLATE,
+)
+
+
+def _qwen2_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 32768, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 151936, **sizes,
+    }
+
+
+def _mistral_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32768, **sizes,
+    }
 
 
 def _qwen3_config(**sizes: Any) -> dict[str, Any]:
@@ -140,6 +180,56 @@ PRESETS: dict[str, Preset] = {
         generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
         tokenizer=_CHATML_QWEN3,
     ),
+    "tiny-qwen2": Preset(
+        name="tiny-qwen2",
+        description="Qwen2 architecture (q/k/v biases, tied head) at the tiny preset's scale, byte-level tokenizer",
+        hf_config=_qwen2_config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_window_layers=4, max_position_embeddings=4096, sliding_window=4096,
+            tie_word_embeddings=True, vocab_size=512, bos_token_id=256, eos_token_id=258, torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 256, "eos_token_id": [258, 256]},
+        tokenizer=CHATML_SMALL,
+    ),
+    "tiny-mistral": Preset(
+        name="tiny-mistral",
+        description="Mistral architecture (untied head) at the tiny preset's scale, byte-level tokenizer",
+        hf_config=_mistral_config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, vocab_size=512,
+            torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 1, "eos_token_id": 2},
+        tokenizer=_MISTRAL,
+    ),
+    "qwen2.5-0.5b": Preset(
+        name="qwen2.5-0.5b",
+        description="Qwen2.5-0.5B-Instruct's public config, random weights",
+        hf_config=_qwen2_config(
+            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, max_window_layers=21, tie_word_embeddings=True,
+        ),
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "qwen2.5-7b": Preset(
+        name="qwen2.5-7b",
+        description="Qwen2.5-7B-Instruct's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_qwen2_config(
+            hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+            num_key_value_heads=4, max_window_layers=28, sliding_window=131072, tie_word_embeddings=False,
+            vocab_size=152064,
+        ),
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "mistral-7b": Preset(
+        name="mistral-7b",
+        description="Mistral-7B-Instruct-v0.3's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_mistral_config(),
+        generation_config={"bos_token_id": 1, "eos_token_id": 2},
+        tokenizer=_MISTRAL,
+    ),
     "llama-3.1-8b": Preset(
         name="llama-3.1-8b",
         description="Llama-3.1-8B-Instruct's public config, random weights (use --config-only and --load-format dummy)",
@@ -180,7 +270,7 @@ def build_byte_level_tokenizer(spec: TokenizerSpec) -> tokenizers.Tokenizer:
 
     Every string encodes to its UTF-8 bytes (special-token strings aside) and decodes back exactly.
     """
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b + spec.byte_offset for b, ch in _bytes_to_unicode().items()}
     vocab.update(spec.special_tokens)
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -292,7 +382,7 @@ def write_random_model_dir(
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     config = parse_config(hf_config, generation_config, where=dir / "config.json")
-    highest_id = max(tokenizer.special_tokens.values(), default=255)
+    highest_id = max(*tokenizer.special_tokens.values(), 255 + tokenizer.byte_offset)
     if config.vocab_size <= highest_id:
         raise ModelError(f"{dir / 'config.json'}: vocab_size {config.vocab_size} cannot hold token id {highest_id}")
 

@@ -76,6 +76,10 @@ def test_public_presets_match_their_parameter_counts():
     assert counts["qwen3-0.6b"] == 596_049_920
     assert counts["qwen3-8b"] == 8_190_735_360
     assert counts["llama-3.1-8b"] == 8_030_261_248
+    assert counts["qwen2.5-0.5b"] == 494_032_768
+    assert counts["qwen2.5-7b"] == 7_615_616_512
+    assert counts["mistral-7b"] == 7_248_023_552
+    assert 1_000_000 < counts["tiny-qwen2"] < 10_000_000 and 1_000_000 < counts["tiny-mistral"] < 10_000_000
     assert 1_000_000 < counts["tiny"] < 10_000_000
     llama = parse_config(PRESETS["llama-3.1-8b"].hf_config)
     assert llama.rope_scaling["rope_type"] == "llama3" and llama.num_heads // llama.num_kv_heads == 4
