@@ -6,7 +6,8 @@ prompts through kvtool's own ModelRunner (hand-built SchedulerOutputs, KV pages 
 KV heads). On the tiny preset (dummy weights, and its saved safetensors), on the embedded
 default model SmolLM2-135M (real weights; 9 query / 3 KV heads, so rank 0 holds KV heads 0-1 and
 rank 1 KV head 2) and on a small Llama with biases, an untied LM head and odd MLP and vocab
-sizes (dummy weights, and saved across several safetensors files): the greedy tokens equal one
+sizes (dummy weights, and saved across several safetensors files), and on the tiny-qwen2
+preset (q/k/v biases, none on o_proj): the greedy tokens equal one
 process's, the gathered logits are within float32 rounding of one process's and bit-identical on
 both ranks, and every parameter of a shard is exactly the rank's slice (rows or columns written
 out below, not derived from the code under test) of the whole model's tensor. A broken weights
@@ -36,11 +37,12 @@ from kvtool.workloads.local_process import free_port
 BLOCK_SIZE = 16
 DECODE_STEPS = 4
 TINY_PROMPTS = [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]]
-PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS,
+PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS, "qwen2": TINY_PROMPTS,
            "default": [[504, 3458, 314, 260, 3575, 282, 4649, 47], [19556, 28, 1834, 359, 346, 44, 2492, 30, 1076]]}
 # Per rank: (first, count) of its query heads, KV heads, MLP rows and vocabulary rows.
 SPLITS = {
     "tiny": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
+    "qwen2": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
     "default": [((0, 6), (0, 2), (0, 768), (0, 24576)), ((6, 3), (2, 1), (768, 768), (24576, 24576))],
     "uneven": [((0, 4), (0, 2), (0, 126), (0, 255)), ((4, 2), (2, 1), (126, 125), (255, 254))],
 }
@@ -49,7 +51,7 @@ UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
               num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=32, vocab_size=509,
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
               attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
-LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy"}
+LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy", "qwen2": "dummy"}
 JOIN_TIMEOUT_S = 600
 
 
@@ -215,6 +217,9 @@ def case(request, tmp_path_factory):
         return request.param, root / "uneven", []
     from kvtool.engine.presets.catalog import create_model_dir
 
+    if request.param == "qwen2":  # q/k/v biases sharded like their weights, none on o_proj
+        create_model_dir(root / "qwen2", preset="tiny-qwen2", seed=0)
+        return request.param, root / "qwen2", []
     create_model_dir(root / "tiny", preset="tiny", seed=0)
     return request.param, root / "tiny", _broken_copies(root / "tiny", root)
 
