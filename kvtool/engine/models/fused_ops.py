@@ -7,10 +7,11 @@ module's `fast_forward` field (and the LM head's `logits_product`) to the forwar
 * RMSNorm: one Triton kernel instead of seven eager ops, and the residual add before each norm
   in the same kernel (the decoder loop is replaced by one that carries the residual, and that
   computes the last layer for a step's sampled rows alone when the runner passes them);
-* attention (Llama and Qwen3): q/k/v projections as one GEMM over a concatenated weight (the
-  three parameters become views of it), then one kernel that splits q/k/v, applies Qwen3's
-  per-head q/k RMSNorm and RoPE, and writes q, k, v contiguous (eager: 14 kernels), and k, v
-  into the KV pages at the step's slots as well (the separate store kernel is skipped);
+* attention (Llama, Mistral, Qwen2, Qwen3): q/k/v projections as one GEMM over a concatenated
+  weight and bias (Qwen2's q/k/v biases; the three parameters become views of them), then one
+  kernel that splits q/k/v, applies Qwen3's per-head q/k RMSNorm and RoPE, and writes q, k, v
+  contiguous (eager: 14 kernels), and k, v into the KV pages at the step's slots as well (the
+  separate store kernel is skipped);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
 * every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or where the
   step asks for it a kernel whose rows do not depend on the row count: the projections read
