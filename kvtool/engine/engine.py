@@ -85,6 +85,12 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
+        if cfg.sliding_window is not None and self.max_model_len > cfg.sliding_window:
+            # A window of W tokens hides nothing from a query while sequences stay within W tokens.
+            raise ConfigError(
+                f"sliding-window attention is not supported yet (the model's window is {cfg.sliding_window} "
+                f"tokens); --max-model-len {cfg.sliding_window} or less runs it"
+            )
         check_parallelism(cfg, params, self.device)
         self.none_hash = make_none_hash()
         self.identity = None

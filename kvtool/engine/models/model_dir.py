@@ -29,8 +29,12 @@ from kvtool.engine.errors import ModelError
 from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The RoPE types Phi-3 runs with. Its long-context configs (Phi-3-mini-128k, Phi-3.5-mini) name
+# longrope ("su" or "yarn" in older ones, which transformers reads as longrope): adding
+# "longrope" here switches them on once the RoPE parsing computes it.
+_PHI3_ROPE_TYPES = ("default",)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -41,7 +45,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     `rope_parameters` (theta and scaling in one dict), `dtype`.
     """
 
-    architecture: str  # "LlamaForCausalLM" | "Qwen3ForCausalLM"
+    architecture: str  # "LlamaForCausalLM" | "Phi3ForCausalLM" | "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -60,7 +64,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     torch_dtype: str  # dtype the weights were saved in: "float32" | "bfloat16" | "float16"
     bos_token_id: int | None
     eos_token_ids: list[int]
-    # Always None for the supported configs (sliding-window directories are refused); kept for identity.
+    # The attention window of every layer (Phi-3's configs carry one), else None. The engine runs
+    # it only at a --max-model-len the window does not bind at (engine.py); part of the identity.
     sliding_window: int | None = None
 
 
@@ -155,6 +160,11 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     layer_types = get("layer_types", list, None) or []
     if sliding_window is not None or any(t != "full_attention" for t in layer_types):
         raise ModelError(f"{where}: sliding-window attention is not supported")
+    if arch == "Phi3ForCausalLM":
+        # transformers and vLLM apply Phi-3's window to every layer, without use_sliding_window;
+        # 0 means none, as vLLM reads it.
+        sliding_window = get("sliding_window", int, None) or None
+        _refuse_phi3_rope(raw, where)
 
     rope_theta, rope_scaling = _parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
@@ -179,7 +189,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-6)),
+        rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=get("max_position_embeddings", int, 32768 if arch == "Qwen3ForCausalLM" else 2048),
@@ -188,8 +198,21 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         torch_dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
-        sliding_window=None,
+        sliding_window=sliding_window,
     )
+
+
+def _refuse_phi3_rope(raw: dict[str, Any], where: Path | str) -> None:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        return  # _parse_rope refuses it
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+    if rope_type not in _PHI3_ROPE_TYPES:
+        raise ModelError(
+            f"{where}: Phi3ForCausalLM with {rope_type!r} RoPE (Phi-3 long-context configs) is not "
+            f"supported yet (supported: {', '.join(_PHI3_ROPE_TYPES)})"
+        )
 
 
 def _parse_rope(raw: dict[str, Any], where: Path | str) -> tuple[float, dict[str, Any] | None]:

@@ -278,7 +278,8 @@ def write_random_model_dir(
     """Write config.json, generation_config.json, the byte-level tokenizer and random weights into `dir`.
 
     `hf_config` is written as given (either config form); weights come from
-    `models.iter_dummy_tensors(config, "cpu", seed)` cast to the config's dtype, in shards of at
+    `models.iter_checkpoint_tensors(config, "cpu", seed)` (`iter_dummy_tensors` under the names
+    and packing a checkpoint of the architecture has) cast to the config's dtype, in shards of at
     most `max_shard_bytes` (several shards get a model.safetensors.index.json). Used by the
     presets and by tests that need small models of their own shape. Raises ModelError when the
     config is unsupported or its vocabulary cannot hold the tokenizer's ids.
@@ -287,7 +288,7 @@ def write_random_model_dir(
     from safetensors.torch import save_file
 
     from kvtool.engine.kv.pages import DTYPES
-    from kvtool.engine.models import iter_dummy_tensors, parameter_shapes
+    from kvtool.engine.models import checkpoint_shapes, iter_checkpoint_tensors
 
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +309,7 @@ def write_random_model_dir(
 
     dtype = DTYPES[canonical_dtype(config.torch_dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shapes = parameter_shapes(config)
+    shapes = checkpoint_shapes(config)
     # Plan shards up front so file names can carry the shard count.
     shards: list[list[str]] = [[]]
     shard_bytes = 0
@@ -323,7 +324,7 @@ def write_random_model_dir(
         ["model.safetensors"] if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    values = iter_dummy_tensors(config, "cpu", seed)
+    values = iter_checkpoint_tensors(config, "cpu", seed)
     weight_map: dict[str, str] = {}
     done = 0
     for file_name, members in zip(names, shards):
