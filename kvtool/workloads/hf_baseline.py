@@ -4,7 +4,7 @@ Import this module only when the arm runs: it imports transformers.
 
 The model is AutoModelForCausalLM on the same directory, device and dtype as the engine, with
 SDPA attention. With `--load-format dummy` it is built from config.json and given the engine's
-own dummy values (`kvtool.engine.models.iter_dummy_tensors`, the same seed on the same device),
+own dummy values (`kvtool.engine.models.iter_checkpoint_tensors`, the same seed on the same device),
 so its output can be compared token for token there too.
 
 Reuse is transformers' own: the prefix is prefilled into a DynamicCache outside the timer, and
@@ -68,13 +68,13 @@ class HFBaseline:
         return self.dtype == torch.float32
 
     def _load_dummy(self, model: torch.nn.Module, path: Path, seed: int) -> None:
-        from kvtool.engine.models import iter_dummy_tensors
+        from kvtool.engine.models import iter_checkpoint_tensors
         from kvtool.engine.models.model_dir import open_model_dir
 
         params = dict(model.named_parameters())
         assigned = set()
         with torch.no_grad():
-            for name, value in iter_dummy_tensors(open_model_dir(path).config, self.device, seed):
+            for name, value in iter_checkpoint_tensors(open_model_dir(path).config, self.device, seed):
                 if name not in params:
                     raise ModelError(f"transformers' model has no parameter {name!r} for the dummy weights")
                 params[name].copy_(value)

@@ -5,9 +5,12 @@ Every safetensors header is checked against the model before a byte of tensor da
 truncated or corrupt file, an unexpected or duplicate tensor, a shape mismatch and a missing tensor
 are each refused with a one-line ModelError naming the file and the tensor.
 
+A checkpoint may store several of the model's projections as one tensor (Phi-3's qkv_proj,
+gate_up_proj: `CausalLM.packed_modules`); each part's rows are read into its own parameter.
+
 A tensor-parallel rank (`tp` of size > 1) builds its Megatron shard (`parallel`): it checks the
 headers against the FULL shapes as every rank does, then reads only its slice of each sharded
-tensor (safetensors' get_slice), and its dummy weights are the slices of exactly the tensors
+tensor (safetensors' get_slice; of each part of a stored one), and its dummy weights are the slices of exactly the tensors
 one rank would make with the same seed, so a sharded dummy model computes what the whole one does.
 """
 
@@ -30,18 +33,21 @@ from kvtool.engine.models.mistral import MistralForCausalLM
 from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen2 import Qwen2ForCausalLM
+from kvtool.engine.models.phi3 import Phi3ForCausalLM
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
 from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 
 __all__ = [
-    "CausalLM", "MODEL_CLASSES", "RankHeads", "build_model", "iter_dummy_tensors", "parameter_shapes",
-    "rank_heads", "read_safetensors_header", "shard_slices",
+    "CausalLM", "MODEL_CLASSES", "RankHeads", "build_model", "checkpoint_layout", "checkpoint_shapes",
+    "iter_checkpoint_tensors", "iter_dummy_tensors", "parameter_shapes", "rank_heads", "read_safetensors_header",
+    "shard_slices",
 ]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
@@ -144,6 +150,47 @@ def parameter_shapes(config: ModelConfig, tp: TPRank = TPRank()) -> dict[str, tu
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def checkpoint_layout(config: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(stored name, the parameters it holds by rows) of every tensor a checkpoint of the model
+    for `config` stores, in module order; a packed tensor (`CausalLM.packed_modules`) stands where
+    its first part does, every other parameter is stored alone under its own name."""
+    packed = {parts[0]: (stored, parts) for stored, parts in _model_class(config).packed_modules.items()}
+    layout = []
+    in_packed: set[str] = set()
+    for name in parameter_shapes(config):
+        if name in in_packed:
+            continue
+        module, _, attr = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in packed:
+            stored, parts = packed[leaf]
+            names = [f"{parent}.{part}.{attr}" for part in parts]
+            in_packed.update(names)
+            layout.append((f"{parent}.{stored}.{attr}", names))
+        else:
+            layout.append((name, [name]))
+    return layout
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Stored name -> shape of every tensor a checkpoint of the model for `config` stores, in
+    `checkpoint_layout` order."""
+    shapes = parameter_shapes(config)
+    return {stored: (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:]) for stored, parts in checkpoint_layout(config)}
+
+
+def iter_checkpoint_tensors(config: ModelConfig, device: torch.device | str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_dummy_tensors` as a checkpoint stores them: (stored name, tensor) in `checkpoint_layout`
+    order, packed parts concatenated. What a random model directory is written from."""
+    values = iter_dummy_tensors(config, device, seed)
+    ready: dict[str, torch.Tensor] = {}
+    for stored, parts in checkpoint_layout(config):
+        while not all(p in ready for p in parts):
+            name, value = next(values)
+            ready[name] = value
+        yield stored, torch.cat([ready.pop(p) for p in parts]) if len(parts) > 1 else ready.pop(parts[0])
+
+
 def iter_dummy_tensors(config: ModelConfig, device: torch.device | str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, float32 tensor) for every parameter, drawn in module order from one seeded generator.
 
@@ -217,34 +264,40 @@ def _load_safetensors(
 ) -> None:
     files, weight_map = weight_files(root)
     full_shapes = parameter_shapes(config) if slices else {n: tuple(p.shape) for n, p in params.items()}
+    # Stored name -> the parameters it holds by rows, for tensors that hold several.
+    packed = {stored: parts for stored, parts in checkpoint_layout(config) if len(parts) > 1}
     # Check every header against the model before reading tensor data.
-    found: dict[str, Path] = {}
+    found: dict[str, Path] = {}  # parameter name -> the file holding it
     headers: dict[Path, dict[str, dict[str, Any]]] = {}
     for path in files:
         header = read_safetensors_header(path)
         headers[path] = header
         for name, info in header.items():
-            if name not in params:
+            parts = packed.get(name, [name])
+            if parts[0] not in params:
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
                 raise ModelError(f"{path}: unexpected tensor {name!r} (not a parameter of {config.architecture})")
-            if name in found:
-                raise ModelError(f"{path}: tensor {name!r} is also in {found[name].name}")
+            for part in parts:
+                if part in found:
+                    also = "" if part == name else f" holds {part!r}, which"
+                    raise ModelError(f"{path}: tensor {name!r}{also} is also in {found[part].name}")
             if info["dtype"] not in _SAFETENSORS_ITEMSIZE:
                 raise ModelError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float type")
-            expected = list(full_shapes[name])
+            expected = [sum(full_shapes[p][0] for p in parts), *full_shapes[parts[0]][1:]]
             if list(info["shape"]) != expected:
                 raise ModelError(
                     f"{path}: tensor {name!r} has shape {list(info['shape'])}, config.json implies {expected}"
                 )
             if weight_map is not None and weight_map.get(name) not in (None, path.name):
                 raise ModelError(f"{path}: tensor {name!r} is here but the index places it in {weight_map[name]}")
-            found[name] = path
+            found.update((part, path) for part in parts)
     missing = [name for name in params if name not in found]
     if missing:
         where = ", ".join(p.name for p in files)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelError(f"{root}: tensor {missing[0]!r}{more} is missing from the weights ({where})")
+        stored = next((s for s, parts in packed.items() if missing[0] in parts), missing[0])
+        raise ModelError(f"{root}: tensor {stored!r}{more} is missing from the weights ({where})")
 
     # Read each file straight onto the device; copy_ converts to the model's dtype.
     open_device = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
@@ -252,6 +305,10 @@ def _load_safetensors(
         try:
             with safe_open(str(path), framework="pt", device=open_device) as f:
                 for name in header:
+                    if name in packed:
+                        if found.get(packed[name][0]) == path:
+                            _read_parts(f, name, packed[name], params, full_shapes, slices)
+                        continue
                     if found.get(name) != path:
                         continue
                     if name in slices:
@@ -262,6 +319,18 @@ def _load_safetensors(
             raise
         except Exception as e:  # safetensors raises its own error types for unreadable data
             raise ModelError(f"{path}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
+
+
+def _read_parts(f: Any, name: str, parts: list[str], params: dict[str, torch.nn.Parameter],
+                full_shapes: dict[str, tuple[int, ...]], slices: dict[str, tuple[int, int, int]]) -> None:
+    """Each part's rows of the stored tensor `name` into its parameter: all of them, or where the
+    part is sharded (column-parallel, by rows) the rank's rows of that part only."""
+    stored = f.get_slice(name)
+    at = 0
+    for part in parts:
+        _, start, count = slices.get(part, (0, 0, full_shapes[part][0]))
+        params[part].copy_(stored[at + start : at + start + count])
+        at += full_shapes[part][0]
 
 
 def _read_slice(f: Any, name: str, dim: int, start: int, count: int) -> torch.Tensor:

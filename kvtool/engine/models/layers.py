@@ -229,6 +229,9 @@ class CausalLM(nn.Module):
     """
 
     attention_cls: type[nn.Module]
+    # Checkpoint module name -> this model's modules whose weights it stores, concatenated by rows
+    # (Phi-3's qkv_proj and gate_up_proj); `models.build_model` splits them as it loads.
+    packed_modules: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()

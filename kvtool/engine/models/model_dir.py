@@ -30,11 +30,14 @@ from kvtool.engine.kv.dtypes import canonical_dtype
 from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # max_position_embeddings when config.json leaves it out: the transformers config class's default.
 _DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "MistralForCausalLM": 4096 * 32}
+# The RoPE types Phi-3 runs with: its long-context configs (Phi-3-mini-128k, Phi-3.5-mini) name longrope.
+_PHI3_ROPE_TYPES = ("default", "longrope")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -65,8 +68,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     torch_dtype: str  # dtype the weights were saved in: "float32" | "bfloat16" | "float16"
     bos_token_id: int | None
     eos_token_ids: list[int]
-    # Mistral's attention window (tokens); None for full attention. The engine runs such a model
-    # only with --max-model-len at most the window, where it is full attention.
+    # The attention window (tokens) of every layer: Mistral's and Phi-3's configs carry one; None
+    # for full attention. The engine runs such a model only at a --max-model-len the window does
+    # not bind at (engine.py); part of the identity.
     sliding_window: int | None = None
 
 
@@ -167,6 +171,12 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         raise ModelError(f"{where}: sliding-window attention is not supported")
     if mistral_window is not None and mistral_window <= 0:
         raise ModelError(f"{where}: 'sliding_window' must be positive, got {mistral_window}")
+    sliding_window = mistral_window
+    if arch == "Phi3ForCausalLM":
+        # transformers and vLLM apply Phi-3's window to every layer, without use_sliding_window;
+        # 0 means none, as vLLM reads it.
+        sliding_window = get("sliding_window", int, None) or None
+        _refuse_phi3_rope(raw, where)
 
     rope_theta, rope_scaling = parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
@@ -191,7 +201,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-6)),
+        rms_norm_eps=float(get("rms_norm_eps", (int, float), 1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=get("max_position_embeddings", int, _DEFAULT_MAX_POSITIONS.get(arch, 2048)),
@@ -200,8 +210,20 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         torch_dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
-        sliding_window=mistral_window,
+        sliding_window=sliding_window,
     )
+
+
+def _refuse_phi3_rope(raw: dict[str, Any], where: Path | str) -> None:
+    """Phi-3 runs with plain RoPE or longrope, as transformers' Phi-3 does."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        return  # parse_rope refuses it
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _PHI3_ROPE_TYPES:
+        hint = " ('su' is longrope's old name: rename it)" if rope_type == "su" else ""
+        raise ModelError(f"{where}: Phi3ForCausalLM with {rope_type!r} RoPE is not supported "
+                         f"(supported: {', '.join(_PHI3_ROPE_TYPES)}){hint}")
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:

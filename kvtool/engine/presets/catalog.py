@@ -8,12 +8,16 @@ Presets:
     qwen2.5-0.5b, qwen2.5-7b  the public Qwen2.5 Instruct config.json values, random weights
     llama-3.1-8b            the public Llama-3.1-8B-Instruct config.json values, random weights
     mistral-7b              the public Mistral-7B-Instruct-v0.3 config.json values, random weights
+    phi-3-mini              the public Phi-3-mini-4k-instruct config.json values, random weights
+    phi-3-tiny              Phi-3's shapes (head_dim 96, as many KV heads as heads, fused
+                            qkv_proj/gate_up_proj, its 2047-token window) at ~2M parameters
     smollm2-135m-instruct   the real SmolLM2-135M-Instruct, converted from the embedded GGUF
 
 The random presets ship a byte-level tokenizer built with the `tokenizers` library: one id per
 byte (ids 0..255), so any text round-trips, plus the family's special tokens at their real ids
 (ChatML for Qwen, Llama 3's header/eot tokens, Mistral's <s>, </s>, [INST], [/INST]; Mistral's
-sit below the bytes, which then start at id 8). The config keeps the real vocab_size, so the ids
+sit below the bytes, which then start at id 8; Phi-3's <|user|>/<|end|> tokens, its <s> at id 1
+left out, that id being a byte). The config keeps the real vocab_size, so the ids
 between 256 and the special tokens exist in the embedding but never come out of encode (they
 decode to nothing). The 8B presets are meant for `--load-format dummy` on a GPU: with
 --config-only only config.json, generation_config.json and the tokenizer files are written.
@@ -47,6 +51,15 @@ LLAMA3_TEMPLATE = (
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
 
@@ -100,6 +113,29 @@ _LLAMA3 = TokenizerSpec(
     },
     bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", add_bos=True, chat_template=LLAMA3_TEMPLATE,
 )
+
+_PHI3 = TokenizerSpec(
+    special_tokens={"<|endoftext|>": 32000, "<|assistant|>": 32001, "<|system|>": 32006, "<|end|>": 32007,
+                    "<|user|>": 32010},
+    bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=PHI3_TEMPLATE,
+)
+_PHI3_SMALL = TokenizerSpec(
+    special_tokens={"<|endoftext|>": 256, "<|assistant|>": 257, "<|system|>": 258, "<|end|>": 259, "<|user|>": 260},
+    bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=PHI3_TEMPLATE,
+)
+
+
+def _phi3_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000,
+        "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000,
+        "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32064, **sizes,
+    }
 
 
 MISTRAL_TEMPLATE = (
@@ -247,6 +283,24 @@ PRESETS: dict[str, Preset] = {
         generation_config={"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
         tokenizer=_LLAMA3,
     ),
+    "phi-3-mini": Preset(
+        name="phi-3-mini",
+        description="Phi-3-mini-4k-instruct's public config, random weights (its window needs --max-model-len 2047)",
+        hf_config=_phi3_config(),
+        generation_config={"bos_token_id": 1, "eos_token_id": [32000, 32001, 32007], "pad_token_id": 32000},
+        tokenizer=_PHI3,
+    ),
+    "phi-3-tiny": Preset(
+        name="phi-3-tiny",
+        description="Phi-3 architecture and shapes, ~2M random parameters, byte-level tokenizer",
+        hf_config=_phi3_config(
+            hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=2, vocab_size=512, bos_token_id=None, eos_token_id=256, pad_token_id=256,
+            torch_dtype="float32",
+        ),
+        generation_config={"eos_token_id": [256, 257, 259], "pad_token_id": 256},
+        tokenizer=_PHI3_SMALL,
+    ),
 }
 DEFAULT_PRESET = "smollm2-135m-instruct"
 PRESET_NAMES = (*PRESETS, DEFAULT_PRESET)
@@ -368,7 +422,8 @@ def write_random_model_dir(
     """Write config.json, generation_config.json, the byte-level tokenizer and random weights into `dir`.
 
     `hf_config` is written as given (either config form); weights come from
-    `models.iter_dummy_tensors(config, "cpu", seed)` cast to the config's dtype, in shards of at
+    `models.iter_checkpoint_tensors(config, "cpu", seed)` (`iter_dummy_tensors` under the names
+    and packing a checkpoint of the architecture has) cast to the config's dtype, in shards of at
     most `max_shard_bytes` (several shards get a model.safetensors.index.json). Used by the
     presets and by tests that need small models of their own shape. Raises ModelError when the
     config is unsupported or its vocabulary cannot hold the tokenizer's ids.
@@ -377,7 +432,7 @@ def write_random_model_dir(
     from safetensors.torch import save_file
 
     from kvtool.engine.kv.pages import DTYPES
-    from kvtool.engine.models import iter_dummy_tensors, parameter_shapes
+    from kvtool.engine.models import checkpoint_shapes, iter_checkpoint_tensors
 
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
@@ -398,7 +453,7 @@ def write_random_model_dir(
 
     dtype = DTYPES[canonical_dtype(config.torch_dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shapes = parameter_shapes(config)
+    shapes = checkpoint_shapes(config)
     # Plan shards up front so file names can carry the shard count.
     shards: list[list[str]] = [[]]
     shard_bytes = 0
@@ -413,7 +468,7 @@ def write_random_model_dir(
         ["model.safetensors"] if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    values = iter_dummy_tensors(config, "cpu", seed)
+    values = iter_checkpoint_tensors(config, "cpu", seed)
     weight_map: dict[str, str] = {}
     done = 0
     for file_name, members in zip(names, shards):

@@ -1,4 +1,5 @@
-"""Our models against Hugging Face transformers (the reference) on the same directory, float32 on CPU.
+"""Our models (Qwen3, Llama, Phi-3) against Hugging Face transformers (the reference) on the same
+directory, float32 on CPU.
 
 For each model, with its modules' own forwards, with the CPU fused forwards over F.linear, and
 over oneDNN (as the runner runs them): a 64-token prefill, then 32 greedy decode steps, through real KVPages and
@@ -144,6 +145,14 @@ def config(arch: str, *, heads: int, kv_heads: int, tied: bool, form: str = "cla
     return cfg
 
 
+def phi3_config(*, heads: int, kv_heads: int, form: str = "classic", **extra) -> dict:
+    """A small Phi3ForCausalLM config.json (2 layers, head_dim 96, untied, Phi-3's keys)."""
+    cfg = config("LlamaForCausalLM", heads=heads, kv_heads=kv_heads, tied=False, hidden=96 * heads, form=form)
+    del cfg["attention_bias"]
+    return {**cfg, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "intermediate_size": 160 * heads,
+            "rms_norm_eps": 1e-5, "original_max_position_embeddings": 512, "pad_token_id": 256, **extra}
+
+
 RANDOM_CONFIGS = {
     # head_dim 32 while hidden / heads is 16: Qwen3's own head_dim; q/k/v/o biases.
     "qwen3-gqa1-tied-bias": config("Qwen3ForCausalLM", heads=4, kv_heads=4, tied=True, head_dim=32, bias=True),
@@ -159,6 +168,14 @@ RANDOM_CONFIGS = {
     "mistral-gqa2-untied-longrope-v5": config("MistralForCausalLM", heads=4, kv_heads=2, tied=False, form="v5",
                                               rope=LONGROPE),
     "qwen2-gqa2-tied-dynamic": config("Qwen2ForCausalLM", heads=4, kv_heads=2, tied=True, rope=DYNAMIC_ROPE),
+    # Phi-3: q/k/v and gate/up stored fused (split as they load), head_dim 96 as Phi-3-mini's,
+    # a window that does not bind at these lengths; Phi-3-medium's grouped KV heads in the other.
+    "phi3-gqa1-untied-window": phi3_config(heads=2, kv_heads=2, sliding_window=511),
+    "phi3-gqa2-untied-v5": phi3_config(heads=4, kv_heads=2, form="v5"),
+    # Phi-3.5's long-context RoPE: 48 short and long factors for head_dim 96.
+    "phi3-gqa2-untied-longrope": phi3_config(heads=4, kv_heads=2, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(48)],
+        "long_factor": [1.0 + 0.2 * i for i in range(48)]}),
 }
 
 
