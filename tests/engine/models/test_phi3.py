@@ -72,7 +72,7 @@ def test_presets_have_phi3_mini_shapes():
         "Phi3ForCausalLM", 96, tiny.num_heads, WINDOW)
 
 
-def test_config_reads_phi3_defaults_and_refuses_long_context_rope():
+def test_config_reads_phi3_defaults_and_its_long_context_rope():
     raw = dict(PRESETS["phi-3-tiny"].hf_config)
     del raw["rms_norm_eps"], raw["architectures"]
     cfg = parse_config(raw)  # architecture from model_type
@@ -80,9 +80,10 @@ def test_config_reads_phi3_defaults_and_refuses_long_context_rope():
     assert parse_config({**raw, "sliding_window": None}).sliding_window is None
     assert parse_config({**raw, "sliding_window": 0}).sliding_window is None  # 0: none, as vLLM reads it
     factors = [1.0] * 48
-    for scaling in ({"type": "longrope", "short_factor": factors, "long_factor": factors},
-                    {"type": "su", "short_factor": factors, "long_factor": factors}):
-        with pytest.raises(ModelError, match="Phi3ForCausalLM with 'longrope' RoPE .* not supported yet") as e:
+    longrope = parse_config({**raw, "rope_scaling": {"type": "longrope", "short_factor": factors, "long_factor": factors}})
+    assert longrope.rope_scaling["rope_type"] == "longrope"
+    for scaling in ({"type": "su", "short_factor": factors, "long_factor": factors}, {"type": "linear", "factor": 2.0}):
+        with pytest.raises(ModelError, match="Phi3ForCausalLM with '(su|linear)' RoPE is not supported") as e:
             parse_config({**raw, "rope_scaling": scaling})
         _one_line(e)
 
@@ -92,8 +93,8 @@ def test_engine_refuses_a_window_that_binds(phi3_dir):
     # refused, WINDOW itself runs (the other tests below run at it).
     with pytest.raises(ConfigError) as e:
         LLMEngine(_params(phi3_dir, max_model_len=None))
-    assert _one_line(e) == (f"sliding-window attention is not supported yet (the model's window is {WINDOW} "
-                            f"tokens); --max-model-len {WINDOW} or less runs it")
+    assert _one_line(e).endswith(f"sliding-window attention (sliding_window={WINDOW}) is not supported yet; "
+                                 f"--max-model-len {WINDOW} or less runs it (full attention)")
     with pytest.raises(ConfigError, match="--max-model-len 2047 or less"):
         LLMEngine(_params(phi3_dir, max_model_len=WINDOW + 1))
 
