@@ -253,3 +253,9 @@ def test_disk_tier_blocks_of_the_dense_model_are_missed_by_the_fp8_one(dirs, tmp
             results = engine.generate(PROMPTS, GREEDY)
             engine.flush_connector()
         assert [r.stats.num_external_tokens for r in results] == want, model
+
+
+def test_config_only_8b_fp8_preset_has_the_block_scheme(tmp_path):
+    create_model_dir(tmp_path / "m", preset="qwen3-8b-fp8", config_only=True)
+    identity = identity_for_model(tmp_path / "m", _params(tmp_path / "m", load_format="dummy"))
+    assert identity.weight_quantization == "fp8:block128x128:dynamic"
