@@ -43,6 +43,7 @@ def _rope_digest(config, max_model_len: int) -> str:
 def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_type: str) -> EngineIdentity:
     """The identity stored KV is stamped with and checked against: the one derivation of it."""
     from kvtool.engine.models.model_dir import config_digest, weights_digest
+    from kvtool.engine.models.quantization import identity_name
 
     cfg = model_dir.config
     kv_dtype = DTYPE_NAMES[dtype]
@@ -53,7 +54,7 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
         weights_digest=weights_digest(model_dir, params.load_format, params.seed),
         rope_digest=_rope_digest(cfg, params.max_model_len or cfg.max_position_embeddings),
         sliding_window=cfg.sliding_window or 0,
-        weight_quantization="none",
+        weight_quantization=identity_name(cfg.quantization),  # an FP8 checkpoint's method and scheme
         kv_dtype=kv_dtype,
         kv_quantization="none",
         geometry=KVGeometry(

@@ -8,6 +8,10 @@ are each refused with a one-line ModelError naming the file and the tensor.
 A checkpoint may store several of the model's projections as one tensor (Phi-3's qkv_proj,
 gate_up_proj: `CausalLM.packed_modules`); each part's rows are read into its own parameter.
 
+An FP8 checkpoint (config.quantization) stores linear weights as float8_e4m3fn with a scale
+tensor each; every one is dequantised as it is read (`quantization.dequantize`), before its
+parts or its rank's slice are taken, so the model holds dense weights in its dtype.
+
 A tensor-parallel rank (`tp` of size > 1) builds its Megatron shard (`parallel`): it checks the
 headers against the FULL shapes as every rank does, then reads only its slice of each sharded
 tensor (safetensors' get_slice; of each part of a stored one), and its dummy weights are the slices of exactly the tensors
@@ -34,6 +38,7 @@ from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen2 import Qwen2ForCausalLM
 from kvtool.engine.models.phi3 import Phi3ForCausalLM
+from kvtool.engine.models.quantization import dequantize, match_scales, scale_owner
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
 from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 
@@ -51,7 +56,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
-_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers some older checkpoints carry; we recompute them. (A tied model's saved lm_head copy is
 # skipped in _load_safetensors.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -270,9 +276,12 @@ def _load_safetensors(
     found: dict[str, Path] = {}  # parameter name -> the file holding it
     headers: dict[Path, dict[str, dict[str, Any]]] = {}
     for path in files:
-        header = read_safetensors_header(path)
-        headers[path] = header
+        headers[path] = read_safetensors_header(path)
+    fp8_scales = match_scales(config.quantization, headers)  # FP8 weight -> (file, its scale)
+    for path, header in headers.items():
         for name, info in header.items():
+            if config.quantization is not None and scale_owner(name) is not None:
+                continue  # checked by match_scales, read with its weight
             parts = packed.get(name, [name])
             if parts[0] not in params:
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
@@ -282,7 +291,7 @@ def _load_safetensors(
                 if part in found:
                     also = "" if part == name else f" holds {part!r}, which"
                     raise ModelError(f"{path}: tensor {name!r}{also} is also in {found[part].name}")
-            if info["dtype"] not in _SAFETENSORS_ITEMSIZE:
+            if info["dtype"] not in _FLOAT_DTYPES and name not in fp8_scales:
                 raise ModelError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float type")
             expected = [sum(full_shapes[p][0] for p in parts), *full_shapes[parts[0]][1:]]
             if list(info["shape"]) != expected:
@@ -301,18 +310,21 @@ def _load_safetensors(
 
     # Read each file straight onto the device; copy_ converts to the model's dtype.
     open_device = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
+    scales = _read_scales(fp8_scales, open_device)
     for path, header in headers.items():
         try:
             with safe_open(str(path), framework="pt", device=open_device) as f:
                 for name in header:
                     if name in packed:
                         if found.get(packed[name][0]) == path:
-                            _read_parts(f, name, packed[name], params, full_shapes, slices)
+                            _read_parts(_stored(f, name, scales, config), packed[name], params, full_shapes, slices)
                         continue
                     if found.get(name) != path:
                         continue
                     if name in slices:
-                        params[name].copy_(_read_slice(f, name, *slices[name]))
+                        params[name].copy_(_read_slice(_stored(f, name, scales, config), *slices[name]))
+                    elif name in scales:
+                        params[name].copy_(_stored(f, name, scales, config))
                     else:
                         params[name].copy_(f.get_tensor(name))
         except ModelError:
@@ -321,11 +333,30 @@ def _load_safetensors(
             raise ModelError(f"{path}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
 
 
-def _read_parts(f: Any, name: str, parts: list[str], params: dict[str, torch.nn.Parameter],
+def _read_scales(fp8_scales: dict[str, tuple[Path, str]], open_device: str) -> dict[str, torch.Tensor]:
+    """FP8 weight name -> its scale tensor, read before the weights (a scale may sit in another shard)."""
+    scales = {}
+    for weight, (path, name) in fp8_scales.items():
+        try:
+            with safe_open(str(path), framework="pt", device=open_device) as f:
+                scales[weight] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for unreadable data
+            raise ModelError(f"{path}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
+    return scales
+
+
+def _stored(f: Any, name: str, scales: dict[str, torch.Tensor], config: ModelConfig) -> Any:
+    """The stored tensor `name`, sliceable by rows and columns: safetensors' lazy slice, or for an
+    FP8 weight the whole tensor dequantised (float32)."""
+    if name in scales:
+        return dequantize(f.get_tensor(name), scales[name], config.quantization)
+    return f.get_slice(name)
+
+
+def _read_parts(stored: Any, parts: list[str], params: dict[str, torch.nn.Parameter],
                 full_shapes: dict[str, tuple[int, ...]], slices: dict[str, tuple[int, int, int]]) -> None:
-    """Each part's rows of the stored tensor `name` into its parameter: all of them, or where the
-    part is sharded (column-parallel, by rows) the rank's rows of that part only."""
-    stored = f.get_slice(name)
+    """Each part's rows of a stored tensor (`_stored`) into its parameter: all of them, or where
+    the part is sharded (column-parallel, by rows) the rank's rows of that part only."""
     at = 0
     for part in parts:
         _, start, count = slices.get(part, (0, 0, full_shapes[part][0]))
@@ -333,7 +364,7 @@ def _read_parts(f: Any, name: str, parts: list[str], params: dict[str, torch.nn.
         at += full_shapes[part][0]
 
 
-def _read_slice(f: Any, name: str, dim: int, start: int, count: int) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) [start, start + count) of a tensor, reading only those."""
-    part = f.get_slice(name)
-    return part[start : start + count] if dim == 0 else part[:, start : start + count]
+def _read_slice(stored: Any, dim: int, start: int, count: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + count) of a stored tensor (`_stored`);
+    of a lazy slice, reading only those."""
+    return stored[start : start + count] if dim == 0 else stored[:, start : start + count]

@@ -27,6 +27,7 @@ import msgspec
 
 from kvtool.engine.errors import ModelError
 from kvtool.engine.kv.dtypes import canonical_dtype
+from kvtool.engine.models.quantization import WeightQuantization, parse_quantization
 from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
@@ -72,6 +73,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # for full attention. The engine runs such a model only at a --max-model-len the window does
     # not bind at (engine.py); part of the identity.
     sliding_window: int | None = None
+    # config.json's quantization_config (FP8 checkpoints: `quantization`); None: unquantised.
+    # Part of the identity (`quantization.identity_name`).
+    quantization: WeightQuantization | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         bos_token_id=bos,
         eos_token_ids=eos_ids,
         sliding_window=sliding_window,
+        quantization=parse_quantization(raw.get("quantization_config"), where),
     )
 
 
@@ -264,8 +269,15 @@ def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def config_digest(config: ModelConfig) -> str:
-    """sha256 hex of the config's canonical JSON (sorted keys): part of every cache identity."""
-    return hashlib.sha256(msgspec.json.encode(config, order="sorted")).hexdigest()
+    """sha256 hex of the config's canonical JSON (sorted keys): part of every cache identity.
+
+    An unquantised config leaves `quantization` out, so its digest is what it was before FP8
+    checkpoints were read.
+    """
+    doc = msgspec.to_builtins(config)
+    if doc["quantization"] is None:
+        del doc["quantization"]
+    return hashlib.sha256(msgspec.json.encode(doc, order="sorted")).hexdigest()
 
 
 def weights_digest(model_dir: ModelDir, load_format: str = "auto", seed: int = 0) -> str:

@@ -3,8 +3,12 @@
 Presets:
 
     tiny                    Qwen3, ~3.3M parameters, 512-id vocabulary: tests and CPU smoke runs
+    tiny-fp8                the tiny preset as a block-wise FP8 checkpoint (float8_e4m3fn
+                            projections, [128, 128] blocks, float32 weight_scale_inv)
     tiny-qwen2, tiny-mistral  the same scale in Qwen2's and Mistral's shapes (tests)
     qwen3-0.6b, qwen3-8b    the public Qwen3 config.json values, random weights
+    qwen3-8b-fp8            Qwen3-8B's config with the block-wise FP8 quantization_config of
+                            Qwen's FP8 releases (config-only: dummy weights are dense)
     qwen2.5-0.5b, qwen2.5-7b  the public Qwen2.5 Instruct config.json values, random weights
     llama-3.1-8b            the public Llama-3.1-8B-Instruct config.json values, random weights
     mistral-7b              the public Mistral-7B-Instruct-v0.3 config.json values, random weights
@@ -183,16 +187,31 @@ def _qwen3_config(**sizes: Any) -> dict[str, Any]:
     }
 
 
+# quantization_config of the block-wise FP8 checkpoints DeepSeek and Qwen release.
+FP8_BLOCK_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                          "weight_block_size": [128, 128]}
+_TINY_QWEN3 = _qwen3_config(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_window_layers=4, max_position_embeddings=4096,
+    tie_word_embeddings=True, vocab_size=512, bos_token_id=256, eos_token_id=258, torch_dtype="float32",
+)
+_QWEN3_8B = _qwen3_config(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, max_window_layers=36, tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
         description="Qwen3 architecture, ~3.3M random parameters, byte-level tokenizer",
-        hf_config=_qwen3_config(
-            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_window_layers=4, max_position_embeddings=4096,
-            tie_word_embeddings=True, vocab_size=512, bos_token_id=256, eos_token_id=258,
-            torch_dtype="float32",
-        ),
+        hf_config=_TINY_QWEN3,
+        generation_config={"bos_token_id": 256, "eos_token_id": [258, 256]},
+        tokenizer=CHATML_SMALL,
+    ),
+    "tiny-fp8": Preset(
+        name="tiny-fp8",
+        description="the tiny preset as a block-wise FP8 checkpoint ([128, 128] blocks), byte-level tokenizer",
+        hf_config={**_TINY_QWEN3, "quantization_config": FP8_BLOCK_QUANTIZATION},
         generation_config={"bos_token_id": 256, "eos_token_id": [258, 256]},
         tokenizer=CHATML_SMALL,
     ),
@@ -209,10 +228,14 @@ PRESETS: dict[str, Preset] = {
     "qwen3-8b": Preset(
         name="qwen3-8b",
         description="Qwen3-8B's public config, random weights (use --config-only and --load-format dummy)",
-        hf_config=_qwen3_config(
-            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-            num_key_value_heads=8, max_window_layers=36, tie_word_embeddings=False,
-        ),
+        hf_config=_QWEN3_8B,
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "qwen3-8b-fp8": Preset(
+        name="qwen3-8b-fp8",
+        description="Qwen3-8B's config as a block-wise FP8 checkpoint (use --config-only and --load-format dummy)",
+        hf_config={**_QWEN3_8B, "quantization_config": FP8_BLOCK_QUANTIZATION},
         generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
         tokenizer=_CHATML_QWEN3,
     ),
@@ -424,7 +447,9 @@ def write_random_model_dir(
     `hf_config` is written as given (either config form); weights come from
     `models.iter_checkpoint_tensors(config, "cpu", seed)` (`iter_dummy_tensors` under the names
     and packing a checkpoint of the architecture has) cast to the config's dtype, in shards of at
-    most `max_shard_bytes` (several shards get a model.safetensors.index.json). Used by the
+    most `max_shard_bytes` (several shards get a model.safetensors.index.json). With a
+    quantization_config the projections it quantises are stored as FP8 checkpoints store them:
+    float8_e4m3fn beside a float32 scale (`quantization.quantize`). Used by the
     presets and by tests that need small models of their own shape. Raises ModelError when the
     config is unsupported or its vocabulary cannot hold the tokenizer's ids.
     """
@@ -433,6 +458,7 @@ def write_random_model_dir(
 
     from kvtool.engine.kv.pages import DTYPES
     from kvtool.engine.models import checkpoint_shapes, iter_checkpoint_tensors
+    from kvtool.engine.models.quantization import is_quantized_module, quantize, stored_scale_shape
 
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
@@ -454,11 +480,20 @@ def write_random_model_dir(
     dtype = DTYPES[canonical_dtype(config.torch_dtype)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = checkpoint_shapes(config)
+    q = config.quantization
+    fp8 = {name for name in shapes if q is not None and name.endswith(".weight")
+           and is_quantized_module(q, name.removesuffix(".weight"))}
+
+    def stored_bytes(name: str) -> int:  # an FP8 weight: one byte an element, and its float32 scale
+        if name in fp8:
+            return _numel(shapes[name]) + 4 * _numel(stored_scale_shape(q, shapes[name]))
+        return itemsize * _numel(shapes[name])
+
     # Plan shards up front so file names can carry the shard count.
     shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * _numel(shape)
+    for name in shapes:
+        nbytes = stored_bytes(name)
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
@@ -476,7 +511,12 @@ def write_random_model_dir(
         for name in members:
             got_name, value = next(values)
             assert got_name == name  # one iteration order for plan and values
-            tensors[name] = value.to(dtype)
+            if name in fp8:
+                scale_name = f"{name.removesuffix('weight')}{q.scale_suffix}"
+                tensors[name], tensors[scale_name] = quantize(value, q)
+                weight_map[scale_name] = file_name
+            else:
+                tensors[name] = value.to(dtype)
             weight_map[name] = file_name
             done += 1
             if progress is not None:
@@ -484,7 +524,7 @@ def write_random_model_dir(
         save_file(tensors, str(dir / file_name), metadata={"format": "pt"})
         os.chmod(dir / file_name, 0o644)  # safetensors creates files private to the owner
     if len(shards) > 1:
-        total = sum(itemsize * _numel(s) for s in shapes.values())
+        total = sum(stored_bytes(name) for name in shapes)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return config
