@@ -13,9 +13,9 @@ and so does the sum: expert by expert in ascending order, each over the tokens r
 weighted after down_proj, `index_add_` into zeros in the hidden dtype.
 
 The experts always run this loop (`fast_paths` records it as FastPaths.moe_experts == "torch";
-no fused or grouped kernel yet). On CPU each expert's rows are padded to ROW_MULTIPLE as every
-CPU product is (`layers.pad_rows_on_cpu`), so a row's bits do not depend on the rows routed
-beside it. The loop picks experts and rows on the host, so it cannot be captured in a CUDA graph:
+no fused or grouped kernel yet). On CPU the router's and each expert's rows are padded to a
+multiple of ROW_MULTIPLE (`layers.pad_rows_on_cpu`; a small step's few rows would take other
+BLAS kernels), so a row's bits do not depend on the rows computed or routed beside it. The loop picks experts and rows on the host, so it cannot be captured in a CUDA graph:
 `apply_fast_paths` turns decode graphs off for a model with MoE blocks (FastPaths.cuda_graphs).
 
 Tensor parallelism as vLLM without expert parallelism: every rank holds every expert's gate/up
@@ -72,7 +72,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k], expert ids [T, k]), as transformers' routers."""
-        logits = self.gate(x)
+        logits = self.gate(pad_rows_on_cpu(x))[: x.shape[0]]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
