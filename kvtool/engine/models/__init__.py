@@ -34,12 +34,14 @@ from kvtool.engine.errors import ConfigError, ModelError
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
 from kvtool.engine.models.mistral import MistralForCausalLM
+from kvtool.engine.models.mixtral import MixtralForCausalLM
 from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen2 import Qwen2ForCausalLM
 from kvtool.engine.models.phi3 import Phi3ForCausalLM
 from kvtool.engine.models.quantization import dequantize, match_scales, scale_owner
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
+from kvtool.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
 
 __all__ = [
@@ -54,6 +56,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}

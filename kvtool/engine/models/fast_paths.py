@@ -22,6 +22,14 @@ need the CUDA attention backend; each step says whether its products are row-inv
 runner sets `AttentionMetadata.row_invariant` and `compute_logits(row_invariant=)`), so
 engines of different batch-invariance settings share nothing.
 
+MoE blocks (`moe.SparseMoeBlock`: Mixtral, Qwen3-MoE) keep their plain PyTorch expert loop on
+both devices (FastPaths.moe_experts == "torch"; no fused or grouped kernel yet). Their attention,
+norms, dense MLPs and LM head take the paths above: those modules are the dense models' own
+classes, and the fused decoder loop only calls each layer's `mlp`. The expert loop picks experts
+and rows on the host, so it cannot be captured: FastPaths.cuda_graphs is False for such a model
+and the runner captures no decode (nor one-token prefill) graphs; every step runs eagerly. On
+CUDA its expert products are not row-invariant (their row counts depend on the routing).
+
 The runner calls this after the KV pages are sized, before its first step: on CUDA, fusing
 returns the unfused weights to the allocator's cache, which sizing would count as in use.
 """
@@ -34,7 +42,7 @@ import msgspec
 import torch
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE, select_backend
-from kvtool.engine.models.layers import CausalLM
+from kvtool.engine.models.layers import CausalLM, GatedMLP
 
 Kernels = Literal["reference", "cpu", "triton"]
 # "torch": F.linear over the dense weight; "onednn": oneDNN over a weight reordered once;
@@ -72,6 +80,10 @@ class FastPaths(msgspec.Struct, frozen=True):
     packed_weights: int
     # A step of at most ROW_MULTIPLE rows is padded to a multiple of this (CPU).
     few_rows_multiple: int
+    # MoE blocks: "torch", the plain expert loop of `moe`; "none" in a dense model.
+    moe_experts: Literal["none", "torch"] = "none"
+    # Whether the runner may capture the decode step in CUDA graphs (not with MoE blocks).
+    cuda_graphs: bool = True
 
 
 def apply_fast_paths(
@@ -81,7 +93,10 @@ def apply_fast_paths(
     choice. `backend` is the runner's attention backend setting ("reference" keeps the CUDA
     kernels off); fused=False keeps every module's own forward (tests, benchmarks). Call it
     once per model."""
-    device = torch.device(device)
+    return _with_moe(model, _apply(model, torch.device(device), dtype, backend, fused))
+
+
+def _apply(model: CausalLM, device: torch.device, dtype: torch.dtype, backend: str, fused: bool) -> FastPaths:
     if fused and device.type == "cpu":
         return _apply_cpu(model)
     if fused and backend != "reference" and select_backend(device, dtype, model.config.head_dim) == "cuda":
@@ -93,6 +108,23 @@ def apply_fast_paths(
     return FastPaths(kernels="reference", fused_qkv=False, fused_gate_up=False, residual_in_norm=False,
                      sampled_rows_only=device.type == "cpu", gemm=torch_routes, packed_weights=0,
                      few_rows_multiple=ROW_MULTIPLE)
+
+
+def _with_moe(model: CausalLM, paths: FastPaths) -> FastPaths:
+    """`paths` of a model with MoE blocks: their experts on the plain loop (F.linear, so the MLP
+    routes count them as "torch" products), no CUDA graphs."""
+    layers = model.model.layers
+    num_moe = sum(not isinstance(layer.mlp, GatedMLP) for layer in layers)
+    if not num_moe:
+        return paths
+    routes = paths.gemm
+    if num_moe == len(layers):
+        gate_up = down = "torch"
+    else:
+        gate_up = "mixed" if routes.gate_up != "torch" else "torch"
+        down = "mixed" if routes.down_proj != "torch" else "torch"
+    gemm = msgspec.structs.replace(routes, gate_up=gate_up, down_proj=down)
+    return msgspec.structs.replace(paths, gemm=gemm, moe_experts="torch", cuda_graphs=False, fused_gate_up=False)
 
 
 def _route(count: int, total: int, route: GemmRoute) -> GemmRoute:
@@ -114,7 +146,7 @@ def _apply_cpu(model: CausalLM) -> FastPaths:
         model.model.few_rows_multiple = few
     layers = model.model.layers
     attn = [layer.self_attn for layer in layers]
-    mlps = [layer.mlp for layer in layers]
+    mlps = [layer.mlp for layer in layers if isinstance(layer.mlp, GatedMLP)]  # MoE blocks: `_with_moe`
     gemm = GemmRoutes(
         qkv=_route(sum(a.qkv_linear.packed for a in attn), len(attn), "onednn"),
         o_proj=_route(sum(a.o_linear.packed for a in attn), len(attn), "onednn"),

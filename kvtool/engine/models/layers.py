@@ -29,7 +29,7 @@ from torch import nn
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE
 from kvtool.engine.models.model_dir import ModelConfig
-from kvtool.engine.models.parallel import RowParallelLinear, VocabParallelEmbedding, gather_vocab
+from kvtool.engine.models.parallel import MOE_NAMES, RowParallelLinear, VocabParallelEmbedding, gather_vocab
 from kvtool.engine.models.rope import rope_frequencies
 from kvtool.engine.models.shard_layout import TPRank, split_range
 
@@ -148,15 +148,31 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: nn.Module, tp: TPRank = TPRank()) -> None:
+    """Attention and MLP blocks. The MLP is a GatedMLP, or in an MoE model's sparse layers the
+    model's `moe_cls` block (`moe.SparseMoeBlock`), held under the checkpoint's name for it
+    (`mlp`; Mixtral's `block_sparse_moe`, `parallel.MOE_NAMES`) and read as `mlp` either way."""
+
+    def __init__(self, config: ModelConfig, attention: nn.Module, tp: TPRank = TPRank(),
+                 moe_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+        if moe_cls is not None and attention.layer_idx in config.moe.sparse_layers:
+            self.mlp_name = MOE_NAMES[config.architecture][0]
+            self.add_module(self.mlp_name, moe_cls(config, tp))
+        else:
+            self.mlp_name = "mlp"
+            self.add_module("mlp", GatedMLP(config.hidden_size, config.intermediate_size, tp))
         # fast_forward_rows(self, h, cos, sin, rows, few): `forward_rows` with attention and o_proj
         # for `rows` only too (set by `apply_fast_paths` on CPU); None runs the one below.
         self.fast_forward_rows: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def mlp(self) -> nn.Module:
+        if self.mlp_name not in self._modules:
+            raise AttributeError("mlp")  # (add_module asks whether it exists before adding it)
+        return self._modules[self.mlp_name]
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-norm attention and MLP blocks with residuals. [T, hidden] -> [T, hidden]."""
@@ -178,14 +194,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm: the `model.` prefix of HF weight names."""
 
-    def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank()) -> None:
+    def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank(),
+                 moe_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
         if tp.size == 1:
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers)
+            DecoderLayer(config, attention_cls(config, i, tp), tp, moe_cls) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -229,6 +246,8 @@ class CausalLM(nn.Module):
     """
 
     attention_cls: type[nn.Module]
+    # The MoE block of the config's sparse layers (Mixtral, Qwen3-MoE: `moe.SparseMoeBlock`).
+    moe_cls: type[nn.Module] | None = None
     # Checkpoint module name -> this model's modules whose weights it stores, concatenated by rows
     # (Phi-3's qkv_proj and gate_up_proj); `models.build_model` splits them as it loads.
     packed_modules: dict[str, tuple[str, ...]] = {}
@@ -237,7 +256,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, self.attention_cls, tp)
+        self.model = DecoderModel(config, self.attention_cls, tp, self.moe_cls)
         # Tied models read the embedding matrix as the output projection; no lm_head parameter exists.
         # Untied ones hold the same vocab rows of lm_head as of the embedding.
         vocab_rows = split_range(config.vocab_size, tp.size, tp.rank)[1]

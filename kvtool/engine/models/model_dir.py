@@ -31,15 +31,31 @@ from kvtool.engine.models.quantization import WeightQuantization, parse_quantiza
 from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                               "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM"}
 # max_position_embeddings when config.json leaves it out: the transformers config class's default.
-_DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "MistralForCausalLM": 4096 * 32}
+_DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
+                          "MistralForCausalLM": 4096 * 32, "MixtralForCausalLM": 4096 * 32}
 # The RoPE types Phi-3 runs with: its long-context configs (Phi-3-mini-128k, Phi-3.5-mini) name longrope.
 _PHI3_ROPE_TYPES = ("default", "longrope")
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The mixture-of-experts MLPs of Mixtral and Qwen3-MoE (see `moe.py`)."""
+
+    num_experts: int
+    top_k: int  # experts per token (num_experts_per_tok)
+    expert_intermediate_size: int  # each expert's gate/up rows (Mixtral: intermediate_size)
+    # Renormalise the top-k routing weights to sum to one: always in Mixtral, Qwen3-MoE's
+    # norm_topk_prob otherwise.
+    norm_topk_prob: bool
+    # The layers with an MoE block; the others have a dense MLP of intermediate_size (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step; every layer in Mixtral).
+    sparse_layers: list[int]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +92,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # config.json's quantization_config (FP8 checkpoints: `quantization`); None: unquantised.
     # Part of the identity (`quantization.identity_name`).
     quantization: WeightQuantization | None = None
+    # Mixtral and Qwen3-MoE; None for a dense model.
+    moe: MoeConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +169,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     num_heads = get("num_attention_heads", int)
     num_kv_heads = get("num_key_value_heads", int, None) or num_heads
     # Llama derives head_dim from the hidden size; Qwen3's config class defaults it to 128.
+    # (Qwen3-MoE's has no default: hidden_size / num_heads, as Llama's.)
     default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // max(num_heads, 1)
     head_dim = get("head_dim", int, None) or default_head_dim
     for key, value in (("hidden_size", hidden), ("num_attention_heads", num_heads),
@@ -165,13 +184,18 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
     if get("mlp_bias", bool, False):
         raise ModelError(f"{where}: mlp_bias=true is not supported")
-    # Mistral's config applies `sliding_window` when set (null: full attention); Qwen's only with
-    # use_sliding_window, which is refused.
-    # (An absent key is transformers' default window, 4096.)
-    mistral_window = get("sliding_window", int, 4096) if arch == "MistralForCausalLM" else None
+    # Mistral's and Mixtral's configs apply `sliding_window` when set (null: full attention); Qwen's
+    # only with use_sliding_window, which is refused.
+    # (An absent key is transformers' default window: 4096 for Mistral, none for Mixtral.)
+    mistral_window = None
+    if arch == "MistralForCausalLM":
+        mistral_window = get("sliding_window", int, 4096)
+    elif arch == "MixtralForCausalLM":
+        mistral_window = get("sliding_window", int, None)
     qwen_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
     layer_types = get("layer_types", list, None) or []
-    if qwen_window is not None or (arch != "MistralForCausalLM" and any(t != "full_attention" for t in layer_types)):
+    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+    if qwen_window is not None or (not windowed and any(t != "full_attention" for t in layer_types)):
         raise ModelError(f"{where}: sliding-window attention is not supported")
     if mistral_window is not None and mistral_window <= 0:
         raise ModelError(f"{where}: 'sliding_window' must be positive, got {mistral_window}")
@@ -196,12 +220,13 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     if not all(isinstance(i, int) for i in eos_ids) or (bos is not None and not isinstance(bos, int)):
         raise ModelError(f"{where}: bos_token_id/eos_token_id must be integers")
 
+    num_layers = get("num_hidden_layers", int)
     return ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size", int),
         hidden_size=hidden,
         intermediate_size=get("intermediate_size", int),
-        num_layers=get("num_hidden_layers", int),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -216,7 +241,32 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         eos_token_ids=eos_ids,
         sliding_window=sliding_window,
         quantization=parse_quantization(raw.get("quantization_config"), where),
+        moe=_parse_moe(arch, get, num_layers, where),
     )
+
+
+def _parse_moe(arch: str, get: Any, num_layers: int, where: Path | str) -> MoeConfig | None:
+    """The MoE keys of a Mixtral or Qwen3-MoE config (None for the dense architectures), with
+    the defaults of transformers' config classes. Qwen3-MoE's public configs name the expert
+    count num_experts; transformers 5 writes num_local_experts for both."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    mixtral = arch == "MixtralForCausalLM"
+    num_experts = get("num_local_experts", int, None) or get("num_experts", int, 8 if mixtral else 128)
+    top_k = get("num_experts_per_tok", int, 2 if mixtral else 8)
+    if mixtral:
+        expert_size, norm_topk, sparse = get("intermediate_size", int), True, list(range(num_layers))
+    else:
+        expert_size, norm_topk = get("moe_intermediate_size", int, 768), get("norm_topk_prob", bool, False)
+        step, dense = get("decoder_sparse_step", int, 1), get("mlp_only_layers", list, None) or []
+        if step <= 0:
+            raise ModelError(f"{where}: 'decoder_sparse_step' must be positive, got {step}")
+        sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    if not 0 < top_k <= num_experts or expert_size <= 0:
+        raise ModelError(f"{where}: num_experts_per_tok={top_k} must be in [1, {num_experts}] experts of "
+                         f"positive size (got {expert_size})")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert_size,
+                     norm_topk_prob=norm_topk, sparse_layers=sparse)
 
 
 def _refuse_phi3_rope(raw: dict[str, Any], where: Path | str) -> None:
@@ -271,12 +321,13 @@ def weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 def config_digest(config: ModelConfig) -> str:
     """sha256 hex of the config's canonical JSON (sorted keys): part of every cache identity.
 
-    An unquantised config leaves `quantization` out, so its digest is what it was before FP8
-    checkpoints were read.
+    A dense, unquantised config leaves `moe` and `quantization` out, so its digest is what it was
+    before MoE models and FP8 checkpoints were read.
     """
     doc = msgspec.to_builtins(config)
-    if doc["quantization"] is None:
-        del doc["quantization"]
+    for optional in ("moe", "quantization"):
+        if doc[optional] is None:
+            del doc[optional]
     return hashlib.sha256(msgspec.json.encode(doc, order="sorted")).hexdigest()
 
 

@@ -8,6 +8,9 @@ rows). Row-parallel ones (o_proj, down_proj) see the rank's columns of the input
 the ranks with ONE all-reduce. Every split comes from `shard_layout`, so the engine, the weight
 loader and the connectors agree on which heads and rows a rank holds.
 
+An MoE block (`moe`) shards as vLLM's does without expert parallelism: every expert's gate/up
+rows and down columns as a dense MLP's, the router replicated, ONE all-reduce after the block.
+
 At tp.size == 1 none of this is used: the models build today's plain modules.
 Collectives run on torch.distributed's default process group, which the caller initialises.
 """
@@ -24,6 +27,7 @@ from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range, query_head_range, split_range
 
 __all__ = [
+    "MOE_NAMES",
     "RankHeads",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -31,6 +35,14 @@ __all__ = [
     "rank_heads",
     "shard_slices",
 ]
+
+
+# An MoE block's checkpoint names: its attribute in a layer, and each expert's gate, up and down
+# projections (model.layers.N.<block>.experts.E.<projection>.weight; the router is <block>.gate).
+MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 class RankHeads(msgspec.Struct, frozen=True):
@@ -73,9 +85,25 @@ def shard_slices(config: ModelConfig, tp: TPRank) -> dict[str, tuple[int, int, i
             slices[f"{attn}k_proj.{suffix}"] = (0, *kv)
             slices[f"{attn}v_proj.{suffix}"] = (0, *kv)
         slices[f"{attn}o_proj.weight"] = (1, *q)
+        if config.moe is not None and i in config.moe.sparse_layers:
+            slices.update(_expert_slices(config, tp, i))
+            continue
         slices[f"{mlp_prefix}gate_proj.weight"] = (0, *mlp)
         slices[f"{mlp_prefix}up_proj.weight"] = (0, *mlp)
         slices[f"{mlp_prefix}down_proj.weight"] = (1, *mlp)
+    return slices
+
+
+def _expert_slices(config: ModelConfig, tp: TPRank, layer: int) -> dict[str, tuple[int, int, int]]:
+    """Every expert's gate/up rows and down columns rank `tp.rank` holds in MoE layer `layer`."""
+    block, (gate, up, down) = MOE_NAMES[config.architecture]
+    rows = split_range(config.moe.expert_intermediate_size, tp.size, tp.rank)
+    slices = {}
+    for e in range(config.moe.num_experts):
+        prefix = f"model.layers.{layer}.{block}.experts.{e}."
+        slices[f"{prefix}{gate}.weight"] = (0, *rows)
+        slices[f"{prefix}{up}.weight"] = (0, *rows)
+        slices[f"{prefix}{down}.weight"] = (1, *rows)
     return slices
 
 

@@ -6,12 +6,15 @@ Presets:
     tiny-fp8                the tiny preset as a block-wise FP8 checkpoint (float8_e4m3fn
                             projections, [128, 128] blocks, float32 weight_scale_inv)
     tiny-qwen2, tiny-mistral  the same scale in Qwen2's and Mistral's shapes (tests)
+    tiny-qwen3-moe, tiny-mixtral  MoE at that scale: 4 experts, top-2 (tests)
     qwen3-0.6b, qwen3-8b    the public Qwen3 config.json values, random weights
     qwen3-8b-fp8            Qwen3-8B's config with the block-wise FP8 quantization_config of
                             Qwen's FP8 releases (config-only: dummy weights are dense)
     qwen2.5-0.5b, qwen2.5-7b  the public Qwen2.5 Instruct config.json values, random weights
     llama-3.1-8b            the public Llama-3.1-8B-Instruct config.json values, random weights
     mistral-7b              the public Mistral-7B-Instruct-v0.3 config.json values, random weights
+    qwen3-30b-a3b           the public Qwen3-30B-A3B config.json values, random weights
+    mixtral-8x7b            the public Mixtral-8x7B-Instruct-v0.1 config.json values, random weights
     phi-3-mini              the public Phi-3-mini-4k-instruct config.json values, random weights
     phi-3-tiny              Phi-3's shapes (head_dim 96, as many KV heads as heads, fused
                             qkv_proj/gate_up_proj, its 2047-token window) at ~2M parameters
@@ -176,6 +179,32 @@ def _mistral_config(**sizes: Any) -> dict[str, Any]:
     }
 
 
+def _mixtral_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000, **sizes,
+    }
+
+
+def _qwen3_moe_config(**sizes: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+        "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, **sizes,
+    }
+
+
 def _qwen3_config(**sizes: Any) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
@@ -258,6 +287,43 @@ PRESETS: dict[str, Preset] = {
             num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, vocab_size=512,
             torch_dtype="float32",
         ),
+        generation_config={"bos_token_id": 1, "eos_token_id": 2},
+        tokenizer=_MISTRAL,
+    ),
+    "tiny-qwen3-moe": Preset(
+        name="tiny-qwen3-moe",
+        description="Qwen3-MoE architecture (4 experts, top-2, a dense last layer) at the tiny preset's scale",
+        hf_config=_qwen3_moe_config(
+            hidden_size=256, intermediate_size=512, moe_intermediate_size=192, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[3], num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_window_layers=4, max_position_embeddings=4096, vocab_size=512, bos_token_id=256,
+            eos_token_id=258, torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 256, "eos_token_id": [258, 256]},
+        tokenizer=CHATML_SMALL,
+    ),
+    "tiny-mixtral": Preset(
+        name="tiny-mixtral",
+        description="Mixtral architecture (4 experts, top-2) at the tiny preset's scale, byte-level tokenizer",
+        hf_config=_mixtral_config(
+            hidden_size=256, intermediate_size=384, num_local_experts=4, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, vocab_size=512,
+            torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 1, "eos_token_id": 2},
+        tokenizer=_MISTRAL,
+    ),
+    "qwen3-30b-a3b": Preset(
+        name="qwen3-30b-a3b",
+        description="Qwen3-30B-A3B's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_qwen3_moe_config(),
+        generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+        tokenizer=_CHATML_QWEN3,
+    ),
+    "mixtral-8x7b": Preset(
+        name="mixtral-8x7b",
+        description="Mixtral-8x7B-Instruct-v0.1's public config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_mixtral_config(),
         generation_config={"bos_token_id": 1, "eos_token_id": 2},
         tokenizer=_MISTRAL,
     ),

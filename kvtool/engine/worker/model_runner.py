@@ -208,7 +208,8 @@ class ModelRunner:
         # Whether the model computes the last layer for a step's sampled rows alone.
         self.sampled_rows_only = fast_paths.sampled_rows_only
         if self.backend == "cuda":
-            self._setup_cuda(use_cuda_graphs)
+            # A model with MoE blocks runs every step eagerly (FastPaths.cuda_graphs).
+            self._setup_cuda(use_cuda_graphs and fast_paths.cuda_graphs)
 
     def _setup_cuda(self, use_cuda_graphs: bool) -> None:
         from kvtool.engine.kernels.attention.triton_ops import choose_num_splits

@@ -1,4 +1,4 @@
-"""Our models (Qwen3, Llama, Phi-3) against Hugging Face transformers (the reference) on the same
+"""Our models (Qwen3, Llama, Phi-3, Mixtral, Qwen3-MoE) against Hugging Face transformers (the reference) on the same
 directory, float32 on CPU.
 
 For each model, with its modules' own forwards, with the CPU fused forwards over F.linear, and
@@ -106,7 +106,7 @@ def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
 
 
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-               "MistralForCausalLM": "mistral"}
+               "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -132,7 +132,7 @@ def config(arch: str, *, heads: int, kv_heads: int, tied: bool, form: str = "cla
         "max_position_embeddings": 512, "tie_word_embeddings": tied, "attention_bias": bias,
         "hidden_act": "silu", "bos_token_id": 256, "eos_token_id": 258,
     }
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         cfg["sliding_window"] = None
     if arch == "Qwen2ForCausalLM":
         del cfg["attention_bias"]
@@ -151,6 +151,16 @@ def phi3_config(*, heads: int, kv_heads: int, form: str = "classic", **extra) ->
     del cfg["attention_bias"]
     return {**cfg, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "intermediate_size": 160 * heads,
             "rms_norm_eps": 1e-5, "original_max_position_embeddings": 512, "pad_token_id": 256, **extra}
+
+
+def moe_config(arch: str, *, experts: int, top_k: int, form: str = "classic", **extra) -> dict:
+    """A small MoE config.json (2 layers, 4 heads over 2 KV heads, untied): Mixtral's experts have
+    intermediate_size rows, Qwen3-MoE's moe_intermediate_size (its dense layers intermediate_size)."""
+    cfg = config(arch, heads=4, kv_heads=2, tied=False, form=form)
+    if arch == "MixtralForCausalLM":
+        del cfg["attention_bias"]
+        return {**cfg, "num_local_experts": experts, "num_experts_per_tok": top_k, **extra}
+    return {**cfg, "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": 48, **extra}
 
 
 RANDOM_CONFIGS = {
@@ -176,6 +186,13 @@ RANDOM_CONFIGS = {
     "phi3-gqa2-untied-longrope": phi3_config(heads=4, kv_heads=2, rope_scaling={
         "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(48)],
         "long_factor": [1.0 + 0.2 * i for i in range(48)]}),
+    # MoE: Mixtral renormalises its top-k weights; Qwen3-MoE with norm_topk_prob and a dense
+    # layer (mlp_only_layers), and without renormalisation, every other layer sparse.
+    "mixtral-8e-top2-v5": moe_config("MixtralForCausalLM", experts=8, top_k=2, form="v5"),
+    "qwen3moe-6e-top2-norm-dense1": moe_config("Qwen3MoeForCausalLM", experts=6, top_k=2, norm_topk_prob=True,
+                                               mlp_only_layers=[1]),
+    "qwen3moe-8e-top3-step2-v5": moe_config("Qwen3MoeForCausalLM", experts=8, top_k=3, form="v5",
+                                            decoder_sparse_step=2),
 }
 
 

@@ -79,6 +79,8 @@ def test_public_presets_match_their_parameter_counts():
     assert counts["qwen2.5-0.5b"] == 494_032_768
     assert counts["qwen2.5-7b"] == 7_615_616_512
     assert counts["mistral-7b"] == 7_248_023_552
+    assert counts["qwen3-30b-a3b"] == 30_532_122_624 and counts["mixtral-8x7b"] == 46_702_792_704
+    assert 1_000_000 < counts["tiny-qwen3-moe"] < 10_000_000 and 1_000_000 < counts["tiny-mixtral"] < 10_000_000
     assert 1_000_000 < counts["tiny-qwen2"] < 10_000_000 and 1_000_000 < counts["tiny-mistral"] < 10_000_000
     assert 1_000_000 < counts["tiny"] < 10_000_000
     llama = parse_config(PRESETS["llama-3.1-8b"].hf_config)

@@ -7,7 +7,8 @@ KV heads). On the tiny preset (dummy weights, and its saved safetensors), on the
 default model SmolLM2-135M (real weights; 9 query / 3 KV heads, so rank 0 holds KV heads 0-1 and
 rank 1 KV head 2) and on a small Llama with biases, an untied LM head and odd MLP and vocab
 sizes (dummy weights, and saved across several safetensors files), and on the tiny-qwen2
-preset (q/k/v biases, none on o_proj): the greedy tokens equal one
+preset (q/k/v biases, none on o_proj), and on the tiny-mixtral and tiny-qwen3-moe presets (every
+expert's gate/up rows and down columns sharded, the router replicated): the greedy tokens equal one
 process's, the gathered logits are within float32 rounding of one process's and bit-identical on
 both ranks, and every parameter of a shard is exactly the rank's slice (rows or columns written
 out below, not derived from the code under test) of the whole model's tensor. A broken weights
@@ -37,7 +38,8 @@ from kvtool.workloads.local_process import free_port
 BLOCK_SIZE = 16
 DECODE_STEPS = 4
 TINY_PROMPTS = [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]]
-PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS, "qwen2": TINY_PROMPTS,
+PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS, "qwen2": TINY_PROMPTS, "mixtral": TINY_PROMPTS,
+           "qwen3moe": TINY_PROMPTS,
            "default": [[504, 3458, 314, 260, 3575, 282, 4649, 47], [19556, 28, 1834, 359, 346, 44, 2492, 30, 1076]]}
 # Per rank: (first, count) of its query heads, KV heads, MLP rows and vocabulary rows.
 SPLITS = {
@@ -45,13 +47,20 @@ SPLITS = {
     "qwen2": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
     "default": [((0, 6), (0, 2), (0, 768), (0, 24576)), ((6, 3), (2, 1), (768, 768), (24576, 24576))],
     "uneven": [((0, 4), (0, 2), (0, 126), (0, 255)), ((4, 2), (2, 1), (126, 125), (255, 254))],
+    # MoE: the MLP rows are each expert's (Qwen3-MoE's dense last layer: EXPERT_ROWS's second entry).
+    "mixtral": [((0, 2), (0, 1), (0, 192), (0, 256)), ((2, 2), (1, 1), (192, 192), (256, 256))],
+    "qwen3moe": [((0, 2), (0, 1), (0, 96), (0, 256)), ((2, 2), (1, 1), (96, 96), (256, 256))],
 }
+# Per rank: (first, count) of a Qwen3-MoE dense layer's MLP rows (intermediate_size 512).
+DENSE_ROWS = {"qwen3moe": [(0, 256), (256, 256)]}
 # A Llama whose every split is uneven, with biases on q/k/v/o and an untied LM head.
 UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=192, intermediate_size=251,
               num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=32, vocab_size=509,
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
               attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
-LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy", "qwen2": "dummy"}
+LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy", "qwen2": "dummy", "mixtral": "dummy",
+               "qwen3moe": "dummy"}
+MOE_PRESETS = {"mixtral": "tiny-mixtral", "qwen3moe": "tiny-qwen3-moe"}
 JOIN_TIMEOUT_S = 600
 
 
@@ -64,9 +73,11 @@ def _expected_slice(name: str, full: torch.Tensor, case: str, rank: int, head_di
         return full[k0 * head_dim : (k0 + nk) * head_dim]
     if name.endswith("o_proj.weight"):
         return full[:, q0 * head_dim : (q0 + nq) * head_dim]
-    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+    if case in DENSE_ROWS and ".experts." not in name:
+        m0, nm = DENSE_ROWS[case][rank]
+    if name.endswith(("gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight")):
         return full[m0 : m0 + nm]
-    if name.endswith("down_proj.weight"):
+    if name.endswith(("down_proj.weight", "w2.weight")):
         return full[:, m0 : m0 + nm]
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return full[v0 : v0 + nv]
@@ -217,6 +228,9 @@ def case(request, tmp_path_factory):
         return request.param, root / "uneven", []
     from kvtool.engine.presets.catalog import create_model_dir
 
+    if request.param in MOE_PRESETS:
+        create_model_dir(root / request.param, preset=MOE_PRESETS[request.param], seed=0)
+        return request.param, root / request.param, []
     if request.param == "qwen2":  # q/k/v biases sharded like their weights, none on o_proj
         create_model_dir(root / "qwen2", preset="tiny-qwen2", seed=0)
         return request.param, root / "qwen2", []
