@@ -86,6 +86,19 @@ class FastPaths(msgspec.Struct, frozen=True):
     cuda_graphs: bool = True
 
 
+def refuse_unkept_invariance(config, device_type: str, batch_invariant: bool) -> str | None:
+    """Why this model cannot keep `--batch-invariant` on this device, or None when it can.
+
+    An MoE model's experts run the plain PyTorch loop, whose products take as many rows as the
+    router sends each expert: on CUDA a row's bits would then depend on the batch. (The CPU path
+    pads every product to ROW_MULTIPLE rows, where its bits do not depend on the row count.)
+    """
+    if batch_invariant and device_type == "cuda" and getattr(config, "moe", None) is not None:
+        return ("MoE models do not run batch-invariant on CUDA yet (their experts' products take the rows "
+                "the router sends them); pass --no-batch-invariant")
+    return None
+
+
 def apply_fast_paths(
     model: CausalLM, device: torch.device | str, dtype: torch.dtype, *, backend: str = "auto", fused: bool = True
 ) -> FastPaths:
