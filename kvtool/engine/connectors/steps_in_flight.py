@@ -41,6 +41,3 @@ class StepsInFlight(Generic[M]):
 
     def __len__(self) -> int:
         return len(self._steps)
-
-    def clear(self) -> None:
-        self._steps.clear()

@@ -93,7 +93,7 @@ def refuse_unkept_invariance(config, device_type: str, batch_invariant: bool) ->
     router sends each expert: on CUDA a row's bits would then depend on the batch. (The CPU path
     pads every product to ROW_MULTIPLE rows, where its bits do not depend on the row count.)
     """
-    if batch_invariant and device_type == "cuda" and getattr(config, "moe", None) is not None:
+    if batch_invariant and device_type == "cuda" and config.moe is not None:
         return ("MoE models do not run batch-invariant on CUDA yet (their experts' products take the rows "
                 "the router sends them); pass --no-batch-invariant")
     return None

@@ -44,7 +44,7 @@ from kvtool.engine.core.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
+from kvtool.engine.models.fast_paths import FastPaths
 from kvtool.engine.params import SamplingParams
 from kvtool.engine.worker.pinned_staging import PinnedStaging
 from kvtool.engine.worker.sampler import SampleRow, sample_on_device
@@ -171,13 +171,13 @@ class ModelRunner:
         model: nn.Module,
         kv_pages: KVPages,
         device: torch.device,
+        fast_paths: FastPaths,
         connector: WorkerHalf | None = None,
         use_cuda_graphs: bool = True,
         max_model_len: int | None = None,
         backend: str = "auto",
         batch_invariant: bool = False,
         max_num_seqs: int = MAX_GRAPH_BATCH,
-        fast_paths: FastPaths | None = None,
     ) -> None:
         self.model = model
         self.kv_pages = kv_pages
@@ -200,8 +200,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
-        if fast_paths is None:
-            fast_paths = apply_fast_paths(model, device, kv_pages.tensor.dtype, backend=backend)
         if fast_paths.kernels == "triton" and self.backend != "cuda":
             raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
         self.fast_paths = fast_paths

@@ -71,9 +71,9 @@ class Worker:
         self.fast_paths = apply_fast_paths(self.model, self.device, self.kv_pages.tensor.dtype,
                                            backend=p.attention_backend)
         self.runner = ModelRunner(
-            self.model, self.kv_pages, self.device, self.connector, max_model_len=self.max_model_len,
+            self.model, self.kv_pages, self.device, self.fast_paths, self.connector, max_model_len=self.max_model_len,
             use_cuda_graphs=not p.enforce_eager, backend=p.attention_backend,
-            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs, fast_paths=self.fast_paths,
+            batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs,
         )
 
     def execute_async(self, so: SchedulerOutput) -> PendingOutput:

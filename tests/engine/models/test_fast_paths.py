@@ -94,18 +94,14 @@ def test_a_bfloat16_model_on_cpu_is_fused_but_keeps_dense_products():
     assert chosen.few_rows_multiple == ROW_MULTIPLE
 
 
-def test_the_runner_takes_the_choice_or_makes_it_once():
+def test_the_runner_takes_the_choice_it_is_given():
     geometry = KVGeometry(num_layers=CONFIG.num_layers, num_kv_heads=CONFIG.num_kv_heads, head_dim=CONFIG.head_dim,
                           block_size=16, dtype="float32")
     model = _model()
     chosen = apply_fast_paths(model, "cpu", torch.float32)
-    runner = ModelRunner(model, KVPages(geometry, 4, torch.device("cpu")), torch.device("cpu"), fast_paths=chosen)
+    runner = ModelRunner(model, KVPages(geometry, 4, torch.device("cpu")), torch.device("cpu"), chosen)
     assert runner.fast_paths is chosen and runner.sampled_rows_only
-
-    plain = _model()
-    runner = ModelRunner(plain, KVPages(geometry, 4, torch.device("cpu")), torch.device("cpu"))
-    assert runner.fast_paths == chosen
-    assert _rebound(plain) == []
+    assert _rebound(model) == []
 
 
 def test_fused_and_plain_forwards_agree_to_rounding():

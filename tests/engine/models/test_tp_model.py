@@ -29,6 +29,7 @@ from kvtool.engine.core.messages import NewRequestData, ScheduledRequest, Schedu
 from kvtool.engine.errors import ModelError
 from kvtool.engine.kv.pages import KVGeometry, KVPages
 from kvtool.engine.models import build_model, iter_dummy_tensors
+from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.model_dir import open_model_dir
 from kvtool.engine.models.shard_layout import TPRank
 from kvtool.engine.params import SamplingParams
@@ -91,7 +92,8 @@ def _drive(model, case: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     num_kv_heads = model.model.layers[0].self_attn.num_kv_heads
     geometry = KVGeometry(num_layers=cfg.num_layers, num_kv_heads=num_kv_heads, head_dim=cfg.head_dim,
                           block_size=BLOCK_SIZE, dtype="float32")
-    runner = ModelRunner(model, KVPages(geometry, 16, torch.device("cpu")), torch.device("cpu"))
+    runner = ModelRunner(model, KVPages(geometry, 16, torch.device("cpu")), torch.device("cpu"),
+                         apply_fast_paths(model, "cpu", torch.float32))
     logits: list[torch.Tensor] = []
     compute_logits = model.compute_logits
 

@@ -264,7 +264,7 @@ class OffloadingScheduler(SchedulerHalf):
         # Under tensor parallelism these are the runtime's aggregate: a job id or a written block
         # arrives once every rank reported it (each rank writes its own shard).
         step = self.steps_in_flight.answered(output)
-        failed_loads = [] if step is None else [
+        failed_loads = [] if step is None or not output.invalid_block_ids else [
             j for j in step.loads if not output.invalid_block_ids.isdisjoint(j.block_ids)]
         done = output.completions
         if isinstance(done, OffloadingCompletions):
