@@ -19,9 +19,12 @@ from kvtool.engine.models import build_model
 from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.model_dir import open_model_dir
 from kvtool.engine.presets.catalog import PRESETS, create_model_dir, write_random_model_dir
-from tests.engine.models.test_qwen2_mistral_engine import (
-    GREEDY, PROMPTS, engine, hf_greedy, test_greedy_tokens_match_transformers_with_chunks_and_prefix_hits as _greedy,
-    test_offloading_reuse_in_a_new_engine_equals_no_reuse as _offloading,
+from tests.support.architecture_checks import (
+    GREEDY,
+    PROMPTS,
+    engine,
+    greedy_matches_transformers_with_chunks_and_prefix_hits,
+    offload_reuse_in_a_new_engine_equals_no_reuse,
 )
 
 
@@ -53,11 +56,11 @@ def model_dir(request, tmp_path_factory):
 
 
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_hits(model_dir):
-    _greedy(model_dir)
+    greedy_matches_transformers_with_chunks_and_prefix_hits(model_dir)
 
 
 def test_offloading_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path):
-    _offloading(model_dir, tmp_path)
+    offload_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path)
 
 
 def test_experts_run_the_plain_loop_without_cuda_graphs(model_dir):

@@ -11,21 +11,18 @@ length runs; a smaller one is refused in one line unless --max-model-len fits in
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from kvtool.engine.connectors.config import parse_kv_transfer_config
-from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.params import SamplingParams
 from kvtool.engine.presets.catalog import PRESETS, create_model_dir, write_random_model_dir
+from tests.support.architecture_checks import (
+    PROMPTS,
+    engine,
+    greedy_matches_transformers_with_chunks_and_prefix_hits,
+    offload_reuse_in_a_new_engine_equals_no_reuse,
+)
 
-NUM_TOKENS = 64
-PREFIX = [(i * 37 + 11) % 240 + 5 for i in range(48)]
-PROMPTS = [PREFIX + [(i * 13 + k * 7) % 240 + 5 for i in range(n)] for k, n in enumerate((9, 17, 25))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 1000000.0}
 
 
@@ -40,61 +37,12 @@ def model_dir(request, tmp_path_factory):
     return d
 
 
-def engine(model_dir, **overrides) -> LLMEngine:
-    params = {"model": str(model_dir), "device": "cpu", "kv_cache_memory": 64 << 20, "max_model_len": 1024,
-              "max_num_batched_tokens": 32, **overrides}
-    return LLMEngine(EngineParams(**params))
-
-
-def hf_greedy(model_dir, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens with its KV cache, EOS not special (as ignore_eos)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out: list[int] = []
-    past, feed = None, torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(NUM_TOKENS):
-            r = hf(feed, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            out.append(int(r.logits[0, -1].argmax()))
-            feed = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_greedy_tokens_match_transformers_with_chunks_and_prefix_hits(model_dir):
-    e = engine(model_dir)
-    try:
-        first = e.generate(PROMPTS, GREEDY)
-        again = e.generate(PROMPTS, GREEDY)
-    finally:
-        e.close()
-    for prompt, got in zip(PROMPTS, first):
-        assert got.output_token_ids == hf_greedy(model_dir, prompt)
-    assert all(r.stats.num_cached_tokens >= 48 for r in again)
-    assert [r.output_token_ids for r in again] == [r.output_token_ids for r in first]
-    assert [r.logprobs for r in again] == [r.logprobs for r in first]
+    greedy_matches_transformers_with_chunks_and_prefix_hits(model_dir)
 
 
 def test_offloading_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path):
-    ktc = parse_kv_transfer_config(json.dumps({
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"num_cpu_blocks": 64, "root_dir": str(tmp_path / "tier")},
-    }))
-    filler = engine(model_dir, kv_transfer_config=ktc, enable_prefix_caching=False)
-    try:
-        without = filler.generate(PROMPTS, GREEDY)
-        filler.executor.worker.connector.flush()
-    finally:
-        filler.close()
-    reuser = engine(model_dir, kv_transfer_config=ktc, enable_prefix_caching=False)
-    try:
-        with_reuse = reuser.generate(PROMPTS, GREEDY)
-    finally:
-        reuser.close()
-    assert all(r.stats.num_external_tokens >= 48 for r in with_reuse)
-    assert [r.output_token_ids for r in with_reuse] == [r.output_token_ids for r in without]
-    assert [r.logprobs for r in with_reuse] == [r.logprobs for r in without]
+    offload_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path)
 
 
 def test_mistral_sliding_window(tmp_path):
