@@ -182,10 +182,43 @@ def end_session(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
             pass
         proc.poll()  # reaps the arm itself
         if not session_alive(proc.pid):
+            wait_gpu_memory_back(deadline)
             return
         if time.monotonic() > deadline:
             raise SystemExit(f"gpu-bench: vLLM's processes {session_alive(proc.pid)} outlived a kill by {wait_s:.0f}s")
         time.sleep(0.2)
+
+
+def wait_gpu_memory_back(deadline: float) -> None:
+    """Wait until the memory a killed vLLM arm held is free again: the driver releases a killed
+    process's memory some time after the process is gone, and kvtool's next engine needs it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    total = torch.cuda.mem_get_info()[1]
+    while True:
+        free = torch.cuda.mem_get_info()[0]
+        # Whatever this process holds itself, plus its context, is not the arm's.
+        if free >= total - torch.cuda.memory_reserved() - 2 * 2**30:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gpu-bench: {(total - free) / 2**30:.1f} GiB of GPU memory still held after vLLM's arm ended")
+        time.sleep(0.5)
+
+
+def release_gpu_memory() -> None:
+    """Give the memory kvtool's closed engines left in torch's cache back to the driver: vLLM
+    starts only if the share of the GPU it is told to take is free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        print(f"# GPU memory free before vLLM's arm: {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
 
 
 def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[dict, dict[str, list[dict]]]:
@@ -199,6 +232,7 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
         json.dump({"model": model_dir(preset), "llm": llm, "jobs": jobs}, f)
         spec = f.name
     rows_path = Path(spec).with_suffix(".rows.jsonl")
+    release_gpu_memory()
     code = None
     try:
         with log_path.open("w") as log:
