@@ -24,7 +24,6 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
 from kvtool.engine.kv.cache_size import num_kv_blocks
 from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
-from kvtool.engine.models.fast_paths import refuse_unkept_invariance
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.default_model import resolve_model_path
@@ -91,9 +90,6 @@ class LLMEngine:
                 f"{self.model_dir.path}: sliding-window attention (sliding_window={cfg.sliding_window}) is not "
                 f"supported yet; --max-model-len {cfg.sliding_window} or less runs it (full attention)"
             )
-        refusal = refuse_unkept_invariance(cfg, self.device.type, params.batch_invariant)
-        if refusal is not None:
-            raise ConfigError(f"{self.model_dir.path}: {refusal}")
         check_parallelism(cfg, params, self.device)
         self.none_hash = make_none_hash()
         self.identity = None

@@ -22,13 +22,15 @@ need the CUDA attention backend; each step says whether its products are row-inv
 runner sets `AttentionMetadata.row_invariant` and `compute_logits(row_invariant=)`), so
 engines of different batch-invariance settings share nothing.
 
-MoE blocks (`moe.SparseMoeBlock`: Mixtral, Qwen3-MoE) keep their plain PyTorch expert loop on
-both devices (FastPaths.moe_experts == "torch"; no fused or grouped kernel yet). Their attention,
-norms, dense MLPs and LM head take the paths above: those modules are the dense models' own
-classes, and the fused decoder loop only calls each layer's `mlp`. The expert loop picks experts
-and rows on the host, so it cannot be captured: FastPaths.cuda_graphs is False for such a model
-and the runner captures no decode (nor one-token prefill) graphs; every step runs eagerly. On
-CUDA its expert products are not row-invariant (their row counts depend on the routing).
+MoE blocks (`moe.SparseMoeBlock`: Mixtral, Qwen3-MoE): on CUDA with the fused kernels their
+router goes through `row_invariant_gemm.linear` and their experts through `kernels.fused_moe`
+(FastPaths.moe_experts == "triton"), whose rows are row-invariant at every batch size and which
+decides nothing on the host, so decode steps are captured in CUDA graphs as a dense model's are.
+Elsewhere (CPU, or CUDA without the fused kernels) they run the plain PyTorch expert loop
+("torch"), which picks experts and rows on the host: FastPaths.cuda_graphs is then False and the
+runner captures no decode (nor one-token prefill) graphs. Their attention, norms, dense MLPs and
+LM head take the paths above: those modules are the dense models' own classes, and the fused
+decoder loop only calls each layer's `mlp`.
 
 The runner calls this after the KV pages are sized, before its first step: on CUDA, fusing
 returns the unfused weights to the allocator's cache, which sizing would count as in use.
@@ -80,23 +82,11 @@ class FastPaths(msgspec.Struct, frozen=True):
     packed_weights: int
     # A step of at most ROW_MULTIPLE rows is padded to a multiple of this (CPU).
     few_rows_multiple: int
-    # MoE blocks: "torch", the plain expert loop of `moe`; "none" in a dense model.
-    moe_experts: Literal["none", "torch"] = "none"
-    # Whether the runner may capture the decode step in CUDA graphs (not with MoE blocks).
+    # MoE blocks: "triton", the fused experts of `kernels.fused_moe` (CUDA); "torch", the plain
+    # expert loop of `moe`; "none" in a dense model.
+    moe_experts: Literal["none", "torch", "triton"] = "none"
+    # Whether the runner may capture the decode step in CUDA graphs (not with the expert loop).
     cuda_graphs: bool = True
-
-
-def refuse_unkept_invariance(config, device_type: str, batch_invariant: bool) -> str | None:
-    """Why this model cannot keep `--batch-invariant` on this device, or None when it can.
-
-    An MoE model's experts run the plain PyTorch loop, whose products take as many rows as the
-    router sends each expert: on CUDA a row's bits would then depend on the batch. (The CPU path
-    pads every product to ROW_MULTIPLE rows, where its bits do not depend on the row count.)
-    """
-    if batch_invariant and device_type == "cuda" and config.moe is not None:
-        return ("MoE models do not run batch-invariant on CUDA yet (their experts' products take the rows "
-                "the router sends them); pass --no-batch-invariant")
-    return None
 
 
 def apply_fast_paths(
@@ -124,19 +114,24 @@ def _apply(model: CausalLM, device: torch.device, dtype: torch.dtype, backend: s
 
 
 def _with_moe(model: CausalLM, paths: FastPaths) -> FastPaths:
-    """`paths` of a model with MoE blocks: their experts on the plain loop (F.linear, so the MLP
-    routes count them as "torch" products), no CUDA graphs."""
+    """`paths` of a model with MoE blocks: fused experts where `apply_fused_ops` set them (their
+    products count as "cuda" ones), else the plain loop (F.linear: "torch" products) without
+    CUDA graphs."""
     layers = model.model.layers
-    num_moe = sum(not isinstance(layer.mlp, GatedMLP) for layer in layers)
-    if not num_moe:
+    blocks = [layer.mlp for layer in layers if not isinstance(layer.mlp, GatedMLP)]
+    if not blocks:
         return paths
+    fused = all(block.fast_forward is not None for block in blocks)
+    experts: GemmRoute = "cuda" if fused else "torch"
     routes = paths.gemm
-    if num_moe == len(layers):
-        gate_up = down = "torch"
+    if len(blocks) == len(layers):
+        gate_up = down = experts
     else:
-        gate_up = "mixed" if routes.gate_up != "torch" else "torch"
-        down = "mixed" if routes.down_proj != "torch" else "torch"
+        gate_up = routes.gate_up if routes.gate_up == experts else "mixed"
+        down = routes.down_proj if routes.down_proj == experts else "mixed"
     gemm = msgspec.structs.replace(routes, gate_up=gate_up, down_proj=down)
+    if fused:
+        return msgspec.structs.replace(paths, gemm=gemm, moe_experts="triton", fused_gate_up=True)
     return msgspec.structs.replace(paths, gemm=gemm, moe_experts="torch", cuda_graphs=False, fused_gate_up=False)
 
 

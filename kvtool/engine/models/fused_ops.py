@@ -13,6 +13,8 @@ module's `fast_forward` field (and the LM head's `logits_product`) to the forwar
   contiguous (eager: 14 kernels), and k, v into the KV pages at the step's slots as well (the
   separate store kernel is skipped);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
+* MoE block (Mixtral, Qwen3-MoE): the router through `linear`, the routing in torch ops, the
+  experts through `kernels.fused_moe` over weights stacked per block (`SparseMoeBlock.stack_experts`);
 * every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or where the
   step asks for it a kernel whose rows do not depend on the row count: the projections read
   that from the step's `AttentionMetadata.row_invariant`, the LM head from `compute_logits`).
@@ -37,9 +39,11 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.kernels.attention import attend, attend_rows, current_metadata
+from kvtool.engine.kernels.fused_moe import fused_experts
 from kvtool.engine.kernels.row_invariant_gemm import linear
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.moe import SparseMoeBlock
 from kvtool.engine.models.parallel import RowParallelLinear
 
 
@@ -272,6 +276,14 @@ def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     return _project_out(self.down_proj, silu_mul(gate_up))
 
 
+def _fused_moe_forward(self: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    weights, experts = self.route_logits(linear(x, self.gate.weight, row_invariant=_step_row_invariant()))
+    out = fused_experts(x, self.w13, self.w2, weights, experts)
+    if self.tp.size > 1:
+        torch.distributed.all_reduce(out)
+    return out
+
+
 def qkv_projection(attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
     """q, k and v of x [T, hidden] in one GEMM: [T, (Hq + 2 Hkv) * D]."""
     return linear(x, attn.qkv_weight, attn.qkv_bias, row_invariant=_step_row_invariant())
@@ -384,13 +396,14 @@ class FusedModules(NamedTuple):
     attention: int  # attention blocks on a q/k/v GEMM and the norm-rope-store kernel
     num_attention: int  # attention blocks in all (one of an odd head_dim keeps its own forward)
     mlps: int  # gate/up GEMM + SiLU kernel
+    moe: int  # MoE blocks on the fused experts
     decoder: bool  # the decoder loop with the residual adds in the norms (`_fused_decoder_forward`)
 
 
 def apply_fused_ops(model: CausalLM) -> FusedModules:
     """Set the model's norms, attention blocks, MLPs, decoder loop and LM head to the fused
     kernels (their `fast_forward` / `logits_product` fields). Returns what it set."""
-    attention = num_attention = mlps = 0
+    attention = num_attention = mlps = moe = 0
     decoder = False
     for module in model.modules():
         if isinstance(module, CausalLM):
@@ -406,6 +419,10 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
             module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
             module.fast_forward = _fused_mlp_forward
             mlps += 1
+        elif isinstance(module, SparseMoeBlock):
+            module.w13, module.w2 = module.stack_experts()
+            module.fast_forward = _fused_moe_forward
+            moe += 1
         elif isinstance(module, LlamaAttention):
             num_attention += 1
             if module.head_dim % 2 == 0:
@@ -414,4 +431,4 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
                 module.qkv_bias = concat_linear_params(projections, "bias")
                 module.fast_forward = _fused_attention_forward
                 attention += 1
-    return FusedModules(attention, num_attention, mlps, decoder)
+    return FusedModules(attention, num_attention, mlps, moe, decoder)

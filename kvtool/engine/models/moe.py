@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE, in plain PyTorch.
+"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE.
 
 A router (`gate`, [experts, hidden], no bias) scores each token; the block keeps the top-k
 experts, each a SwiGLU MLP of its own (shared-nothing: no shared expert), and sums their outputs
@@ -12,11 +12,15 @@ weighted by the routing probabilities. Routing follows transformers exactly:
 and so does the sum: expert by expert in ascending order, each over the tokens routed to it,
 weighted after down_proj, `index_add_` into zeros in the hidden dtype.
 
-The experts always run this loop (`fast_paths` records it as FastPaths.moe_experts == "torch";
-no fused or grouped kernel yet). On CPU the router's and each expert's rows are padded to a
-multiple of ROW_MULTIPLE (`layers.pad_rows_on_cpu`; a small step's few rows would take other
-BLAS kernels), so a row's bits do not depend on the rows computed or routed beside it. The loop picks experts and rows on the host, so it cannot be captured in a CUDA graph:
-`apply_fast_paths` turns decode graphs off for a model with MoE blocks (FastPaths.cuda_graphs).
+The forward below is that loop, in plain PyTorch (FastPaths.moe_experts == "torch"). On CPU the
+router's and each expert's rows are padded to a multiple of ROW_MULTIPLE
+(`layers.pad_rows_on_cpu`; a small step's few rows would take other BLAS kernels), so a row's bits
+do not depend on the rows computed or routed beside it. The loop picks experts and rows on the
+host, so it cannot be captured in a CUDA graph. On CUDA `apply_fast_paths` sets `fast_forward` to
+`fused_ops`' MoE forward instead ("triton"): the router through `row_invariant_gemm.linear`, the
+experts through `kernels.fused_moe` over weights stacked per block (`w13`, `w2`; the experts'
+own parameters become views of them), with the loop's rounding steps, in CUDA graphs and
+row-invariant at every batch size.
 
 Tensor parallelism as vLLM without expert parallelism: every rank holds every expert's gate/up
 rows and down columns of its share (`parallel.shard_slices`) and the whole router; the weighted
@@ -24,6 +28,8 @@ partial sums are all-reduced once, after the block.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,10 +75,30 @@ class SparseMoeBlock(nn.Module):
         # transformers' Mixtral weighs the experts' outputs in float32; Qwen3-MoE in the logits' dtype.
         self.float32_weights = config.architecture == "MixtralForCausalLM"
         self.tp = tp
+        # fast_forward(self, x): the fused experts (set by `apply_fast_paths` on CUDA, with `w13`
+        # [E, 2I, H] and `w2` [E, H, I]); None runs the loop below.
+        self.fast_forward: Callable[[SparseMoeBlock, torch.Tensor], torch.Tensor] | None = None
+
+    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights stacked for one grouped product each: (w13 [E, 2I, H], each
+        expert's gate rows then its up rows; w2 [E, H, I]). Every expert's parameters become
+        views of them, so no memory is duplicated."""
+        gate, up, down = self.experts[0].names
+        w13 = torch.stack([torch.cat([e._modules[gate].weight.data, e._modules[up].weight.data]) for e in self.experts])
+        w2 = torch.stack([e._modules[down].weight.data for e in self.experts])
+        rows = w13.shape[1] // 2
+        for i, e in enumerate(self.experts):
+            e._modules[gate].weight = nn.Parameter(w13[i, :rows], requires_grad=False)
+            e._modules[up].weight = nn.Parameter(w13[i, rows:], requires_grad=False)
+            e._modules[down].weight = nn.Parameter(w2[i], requires_grad=False)
+        return w13, w2
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k], expert ids [T, k]), as transformers' routers."""
-        logits = self.gate(pad_rows_on_cpu(x))[: x.shape[0]]
+        return self.route_logits(self.gate(pad_rows_on_cpu(x))[: x.shape[0]])
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [T, experts] -> (weights [T, k], expert ids [T, k])."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -83,6 +109,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: each token's top-k experts, weighted and summed."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, x)
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         # mask[e, j, t]: token t's j-th choice is expert e.

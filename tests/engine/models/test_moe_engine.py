@@ -83,17 +83,3 @@ def test_mixtral_sliding_window(tmp_path):
         assert len(e.generate([PROMPTS[0]], GREEDY)[0].output_token_ids) == 64
     finally:
         e.close()
-
-
-def test_an_moe_model_on_cuda_is_refused_batch_invariance_in_one_line():
-    from kvtool.engine.models.fast_paths import refuse_unkept_invariance
-    from kvtool.engine.models.model_dir import parse_config
-    from kvtool.engine.presets.catalog import PRESETS
-
-    moe = parse_config(dict(PRESETS["tiny-mixtral"].hf_config))
-    dense = parse_config(dict(PRESETS["tiny"].hf_config))
-    refusal = refuse_unkept_invariance(moe, "cuda", True)
-    assert refusal is not None and "--no-batch-invariant" in refusal and "\n" not in refusal
-    assert refuse_unkept_invariance(moe, "cuda", False) is None
-    assert refuse_unkept_invariance(moe, "cpu", True) is None
-    assert refuse_unkept_invariance(dense, "cuda", True) is None
