@@ -129,7 +129,7 @@ def engine_for_cold(model, prompt):
         engine.close()
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 8, 128, 16), (32, 8, 128, 256), (8, 8, 64, 16)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 8, 128, 16), (32, 8, 128, 256), (8, 8, 64, 16), (8, 2, 96, 16)])
 def test_tile_kernel_rows_depend_on_their_context_alone(hq, hkv, d, bs):
     """Against float64 attention, and the same bits for a row alone, inside any batch, with any
     number of programs per sequence and any slot numbering; a row of context 0 is zero."""

@@ -92,11 +92,11 @@ def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, inter, BLOCK: tl.constexpr):
 
 @triton.jit
 def _norm_rope_heads(src, dst, page_dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr,
-                     H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                     TO_PAGE: tl.constexpr):
+                     H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                     HAS_NORM: tl.constexpr, TO_PAGE: tl.constexpr):
     h = tl.arange(0, H_PAD)
-    c = tl.arange(0, HALF)
-    mask = (h < NUM_HEADS)[:, None]
+    c = tl.arange(0, HALF_PAD)
+    mask = (h < NUM_HEADS)[:, None] & (c < HALF)[None, :]
     off = h[:, None] * D + c[None, :]
     x1 = tl.load(src + off, mask=mask, other=0.0)
     x2 = tl.load(src + off + HALF, mask=mask, other=0.0)
@@ -105,8 +105,8 @@ def _norm_rope_heads(src, dst, page_dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM
     b = x2.to(tl.float32)
     if HAS_NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)
-        w1 = tl.load(w_ptr + c).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
+        w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
         a = ((a * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
         b = ((b * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product rounded as eager does
@@ -125,7 +125,7 @@ def _qkv_norm_rope_kernel(
     qkv_ptr, stride_qkv, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, stride_cs, qw_ptr, kw_ptr, eps,
     pages_ptr, layer_off, stride_blk, stride_kv, slot_ptr, stride_slot,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
-    D: tl.constexpr, HAS_NORM: tl.constexpr, TO_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, HAS_NORM: tl.constexpr, TO_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """One token: q and k rotated (after their per-head RMSNorm for Qwen3), v copied; all
     contiguous out, and with TO_PAGES k and v also written at the token's page slot (a negative
@@ -133,12 +133,14 @@ def _qkv_norm_rope_kernel(
     is then not needed."""
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
-    c = tl.arange(0, HALF)
+    HALF_PAD: tl.constexpr = DP // 2
+    c = tl.arange(0, HALF_PAD)
+    c_ok = c < HALF
     cs = t * stride_cs
-    cos1 = tl.load(cos_ptr + cs + c).to(tl.float32)
-    cos2 = tl.load(cos_ptr + cs + HALF + c).to(tl.float32)
-    sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
-    sin2 = tl.load(sin_ptr + cs + HALF + c).to(tl.float32)
+    cos1 = tl.load(cos_ptr + cs + c, mask=c_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs + c, mask=c_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     to_page = False
     page_row = pages_ptr
@@ -148,20 +150,20 @@ def _qkv_norm_rope_kernel(
         safe = tl.maximum(slot, 0)
         page_row = pages_ptr + layer_off + (safe // BLOCK_SIZE) * stride_blk + (safe % BLOCK_SIZE) * (HKV * D)
     _norm_rope_heads(row, q_ptr + t * HQ * D, q_ptr, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD, D, HALF,
-                     HAS_NORM, False)
+                     HALF_PAD, HAS_NORM, False)
     hv = tl.arange(0, HKV_PAD)
-    d = tl.arange(0, D)
-    vmask = (hv < HKV)[:, None]
+    d = tl.arange(0, DP)
+    vmask = (hv < HKV)[:, None] & (d < D)[None, :]
     voff = hv[:, None] * D + d[None, :]
     vrow = tl.load(row + (HQ + HKV) * D + voff, mask=vmask)
     tl.store(v_ptr + t * HKV * D + voff, vrow, mask=vmask)
     if to_page:
         _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
-                         HKV_PAD, D, HALF, HAS_NORM, True)
+                         HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, True)
         tl.store(page_row + stride_kv + voff, vrow, mask=vmask)
     else:
         _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
-                         HKV_PAD, D, HALF, HAS_NORM, False)
+                         HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -236,7 +238,7 @@ def qkv_norm_rope(
             slots if to_pages else qkv, slots.stride(0) if to_pages else 0,
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV=num_kv_heads, HKV_PAD=triton.next_power_of_2(num_kv_heads),
-            D=head_dim, HAS_NORM=has_norm, TO_PAGES=to_pages, BLOCK_SIZE=pages.shape[3] if to_pages else 1,
+            D=head_dim, DP=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, TO_PAGES=to_pages, BLOCK_SIZE=pages.shape[3] if to_pages else 1,
             num_warps=4,
         )
     return q, k, v

@@ -126,7 +126,7 @@ def test_prefill_rows_do_not_depend_on_the_cached_prefix_or_the_batch(length):
     assert torch.equal(run([(0, 50), (50, length)], other=(0, 77))[50:], whole[50:])
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 4, 256)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 4, 256), (8, 2, 96)])
 def test_prefill_kernel_against_sdpa_and_its_own_tails(hq, hkv, d):
     from kvtool.engine.kernels.attention.prefill import prefill_attention
 

@@ -55,12 +55,13 @@ _cuda_attention = None  # kvtool.engine.kernels.attention.cuda.cuda_attention, o
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Backend:
-    """'cuda' for a CUDA device with bf16/fp16 pages, a power-of-two head_dim in [16, 256], and
-    Triton importable; 'reference' otherwise."""
+    """'cuda' for a CUDA device with bf16/fp16 pages, an even head_dim in [16, 256] (the kernels
+    pad one that is not a power of two, such as Phi-3's 96, to the next), and Triton importable;
+    'reference' otherwise."""
     global _cuda_attention
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "reference"
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    if head_dim < 16 or head_dim > 256 or head_dim % 2:
         return "reference"
     try:
         from kvtool.engine.kernels.attention.cuda import cuda_attention

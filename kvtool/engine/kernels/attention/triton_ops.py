@@ -61,7 +61,7 @@ def _decode_split_kernel(
     mid_o_ptr, mid_lse_ptr,
     order_ptr,
     num_q_heads, qk_scale_log2,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
     """One (KV head, sequence, split): online softmax over the split's tokens for all query
@@ -82,22 +82,24 @@ def _decode_split_kernel(
     end = tl.minimum(start + per_split, ctx)
 
     rows = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    d_ok = d < D
     row_mask = rows < GROUP
+    out_mask = row_mask[:, None] & d_ok[None, :]
     heads = kvh * GROUP + rows
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
     kv_base = pages_ptr + layer_off + kvh * stride_h
     for t0 in range(start, end, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
         tmask = offs < end
         blk = tl.load(bt_ptr + b * stride_bt_row + (offs // BLOCK_SIZE) * stride_bt_col, mask=tmask, other=0)
         tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
-        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None], other=0.0)
+        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -111,10 +113,10 @@ def _decode_split_kernel(
     out = acc / tl.where(has, l, 1.0)[:, None]
     if NUM_SPLITS == 1:
         dst = o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=out_mask)
     else:
         idx = (b * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + idx[:, None] * D + d[None, :], out, mask=row_mask[:, None])
+        tl.store(mid_o_ptr + idx[:, None] * D + d[None, :], out, mask=out_mask)
         lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + idx, lse, mask=row_mask)
 
@@ -122,13 +124,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_ot, stride_oh, num_q_heads,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head) by their log-sum-exp (base 2)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    d_ok = d < D
     smask = s < NUM_SPLITS
     base = (b * num_q_heads + h) * NUM_SPLITS
     lse = tl.load(mid_lse_ptr + base + s, mask=smask, other=float("-inf"))
@@ -136,9 +139,9 @@ def _decode_combine_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
-    o = tl.load(mid_o_ptr + (base + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.load(mid_o_ptr + (base + s)[:, None] * D + d[None, :], mask=smask[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _check_pages(pages: torch.Tensor) -> tuple[int, int, int, int]:
@@ -230,7 +233,7 @@ def paged_decode(
         mid_o, mid_lse,
         order if order is not None else context_lens,
         hq, scale * 1.4426950408889634,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits, HAS_ORDER=order is not None,
         # Two warps and three stages stream the pages faster on an H200 than four warps and two
         # stages for batches of 16 to 256 sequences, and as fast at batch 1.
@@ -240,5 +243,6 @@ def paged_decode(
         _decode_combine_kernel[(b, hq)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), hq,
             NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), D=d,
+            DP=triton.next_power_of_2(d),
             num_warps=4,
         )

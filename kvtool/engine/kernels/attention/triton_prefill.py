@@ -42,7 +42,7 @@ def key_tile(head_dim: int) -> int:
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt, stride_vt, d, col, lo, hi,
+def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt, stride_vt, d, d_ok, col, lo, hi,
                   MASKED: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """Fold the key tiles starting at lo, lo + BLOCK_N, .. below hi into the online softmax.
     k_src/v_src: tensor descriptors of [keys, Hkv * D] (TMA), or the head's base pointers."""
@@ -52,7 +52,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt
             k = tl.trans(k_src.load([k_first + start, col]))
         else:
             keys = (k_first + n).to(tl.int64)
-            k = tl.load(k_src + keys[None, :] * stride_kt + d[:, None], mask=n[None, :] < k_len, other=0.0)
+            k = tl.load(k_src + keys[None, :] * stride_kt + d[:, None], mask=(n[None, :] < k_len) & d_ok[:, None],
+                        other=0.0)
         s = tl.dot(q, k)
         if MASKED:
             s = tl.where(pos[:, None] >= n[None, :], s, float("-inf"))
@@ -66,7 +67,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt
         if TMA:
             v = v_src.load([k_first + start, col])
         else:
-            v = tl.load(v_src + keys[:, None] * stride_vt + d[None, :], mask=n[:, None] < k_len, other=0.0)
+            v = tl.load(v_src + keys[:, None] * stride_vt + d[None, :], mask=(n[:, None] < k_len) & d_ok[None, :],
+                        other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, m_i, l_i
@@ -76,7 +78,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt
 def _prefill_kernel(
     q_src, k_src, v_src, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     h = tl.program_id(0)
     seq = tl.program_id(2)
@@ -90,7 +93,8 @@ def _prefill_kernel(
         rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         pos = k_len - q_len + rows  # absolute position of each query row
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        d_ok = d < D
         q_rows = (q_first + rows).to(tl.int64)
         col = (h // GROUP) * D
         if TMA:
@@ -98,25 +102,25 @@ def _prefill_kernel(
             k_base = k_src
             v_base = v_src
         else:
-            q = tl.load(q_src + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None],
-                        other=0.0)
+            q = tl.load(q_src + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             k_base = k_src + (h // GROUP) * stride_kh
             v_base = v_src + (h // GROUP) * stride_vh
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
         first_pos = k_len - q_len + m_block * BLOCK_M
         # Tiles wholly at or before the block's first row need no mask; the rest run to the
         # block's last key. Key 0 is in every row's first tile, so no row starts at -inf.
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         last = tl.minimum(first_pos + BLOCK_M, k_len)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt, stride_vt,
-                                      d, col, 0, full_end, False, qk_scale, BLOCK_N, TMA)
+                                      d, d_ok, col, 0, full_end, False, qk_scale, BLOCK_N, TMA)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt, stride_vt,
-                                      d, col, full_end, last, True, qk_scale, BLOCK_N, TMA)
+                                      d, d_ok, col, full_end, last, True, qk_scale, BLOCK_N, TMA)
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+                 mask=row_ok[:, None] & d_ok[None, :])
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -152,7 +156,9 @@ def triton_prefill_attention(
     block_m = 128 if max_q > 64 and block_n == 128 else 64
     grid = (hq, triton.cdiv(max_q, block_m), cu_q.shape[0] - 1)
     srcs = (q, k, v)
-    views = [rows_view(x) for x in srcs] if _has_tma(q.device) else [None]
+    # A descriptor's tile is a power of two wide: other head sizes load through pointers, padded.
+    dp = triton.next_power_of_2(d)
+    views = [rows_view(x) for x in srcs] if _has_tma(q.device) and dp == d else [None]
     tma = all(x is not None for x in views)
     if tma:
         srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
@@ -160,7 +166,7 @@ def triton_prefill_attention(
     _prefill_kernel[grid](
         *srcs, out, cu_q, cu_k, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=8 if block_m == 128 else 4,
+        GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=8 if block_m == 128 else 4,
         num_stages=3 if block_n == 128 else 2,
     )
     return out

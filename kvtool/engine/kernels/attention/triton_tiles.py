@@ -29,7 +29,7 @@ def _tile_partials_kernel(
     ctx_ptr, stride_ctx, base_ptr, stride_base,
     mid_o_ptr, mid_lse_ptr, order_ptr,
     num_q_heads, num_programs, qk_scale_log2,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
 ):
     """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each."""
@@ -44,14 +44,16 @@ def _tile_partials_kernel(
     tile_base = tl.load(base_ptr + b * stride_base)
 
     rows = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    d_ok = d < D
     row_mask = rows < GROUP
+    out_mask = row_mask[:, None] & d_ok[None, :]
     heads = kvh * GROUP + rows
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=out_mask, other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
     kv_base = pages_ptr + layer_off + kvh * stride_h
     # One flat loop over the run (the loads pipeline across tile edges); the state is written
     # out and reset at each tile's last block.
@@ -60,8 +62,8 @@ def _tile_partials_kernel(
         tmask = offs < end
         blk = tl.load(bt_ptr + b * stride_bt_row + (offs // BLOCK_SIZE) * stride_bt_col, mask=tmask, other=0)
         tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
-        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None], other=0.0)
+        k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -72,31 +74,32 @@ def _tile_partials_kernel(
         m = m_new
         if ((t0 + BLOCK_N) % TILE_N == 0) | (t0 + BLOCK_N >= end):
             idx = (tile_base + t0 // TILE_N) * num_q_heads + heads
-            tl.store(mid_o_ptr + idx[:, None].to(tl.int64) * D + d[None, :], acc / l[:, None], mask=row_mask[:, None])
+            tl.store(mid_o_ptr + idx[:, None].to(tl.int64) * D + d[None, :], acc / l[:, None], mask=out_mask)
             tl.store(mid_lse_ptr + idx, m + tl.log2(l), mask=row_mask)
             m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
             l = tl.zeros([GROUP_PAD], dtype=tl.float32)
-            acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+            acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
 
 
 @triton.jit
 def _merge_tiles_kernel(
     mid_o_ptr, mid_lse_ptr, ctx_ptr, stride_ctx, base_ptr, stride_base, o_ptr, stride_ot, stride_oh,
-    num_q_heads, D: tl.constexpr, TILE_N: tl.constexpr,
+    num_q_heads, D: tl.constexpr, DP: tl.constexpr, TILE_N: tl.constexpr,
 ):
     """Merge the tiles of one (sequence, query head) in tile order; no tile: a zero row."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.cdiv(tl.load(ctx_ptr + b * stride_ctx), TILE_N)
     tile_base = tl.load(base_ptr + b * stride_base)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    d_ok = d < D
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     l = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([DP], dtype=tl.float32)
     for t in range(0, n):
         idx = (tile_base + t) * num_q_heads + h
         lse = tl.load(mid_lse_ptr + idx + tl.arange(0, 1))
-        o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d)
+        o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d, mask=d_ok, other=0.0)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
@@ -104,7 +107,7 @@ def _merge_tiles_kernel(
         acc = acc * alpha + o * w
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_decode_tiles(
@@ -144,10 +147,10 @@ def paged_decode_tiles(
         context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
         mid_o, mid_lse, order,
         hq, num_programs, scale * 1.4426950408889634,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, num_warps=2, num_stages=3,
     )
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
-        out, out.stride(0), out.stride(1), hq, D=d, TILE_N=TILE, num_warps=4,
+        out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=TILE, num_warps=4,
     )

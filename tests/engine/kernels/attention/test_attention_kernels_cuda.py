@@ -48,7 +48,7 @@ def decode_reference(q, pages, layer, tables, ctx_lens, scale):
 
 
 @pytest.mark.parametrize("bs", [16, 256])
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128), (4, 2, 64), (8, 8, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128), (4, 2, 64), (8, 8, 128), (8, 2, 96)])
 @pytest.mark.parametrize("num_splits", [1, 5, 33])
 def test_paged_decode_matches_reference(bs, hq, hkv, d, num_splits):
     from kvtool.engine.kernels.attention.triton_ops import paged_decode
@@ -117,15 +117,16 @@ def _scheduled(rid, tokens, start, blocks, sample=True):
 @pytest.mark.parametrize(
     "case", ["decode", "single_prefill", "varlen", "prefix", "mixed", "long_prefix", "short_tail", "prefill_with_decode"]
 )
-def test_cuda_backend_matches_reference(case):
+@pytest.mark.parametrize("d", [128, 96])  # 96 (Phi-3): the kernels pad the head to 128
+def test_cuda_backend_matches_reference(case, d):
     """A step through `attend` with the CUDA backend's metadata against the reference backend
     (float32 pages, float32 SDPA) on the same inputs; the pages must also end up the same."""
     from kvtool.engine.kernels.attention import AttentionMetadata, SeqSpan, attend, attention_context, select_backend
     from kvtool.engine.kv.pages import KVGeometry, KVPages
     from kvtool.engine.worker.model_runner import decode_rows, pack_step
 
-    assert select_backend(DEV, torch.bfloat16, 128) == "cuda"
-    bs, hq, hkv, d, layers = 16, 32, 8, 128, 2
+    assert select_backend(DEV, torch.bfloat16, d) == "cuda"
+    bs, hq, hkv, layers = 16, 32, 8, 2
     geo = KVGeometry(num_layers=layers, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
     pages = KVPages(geo, 400, DEV)
     pages.tensor.copy_(random_pages(400, layers, bs, hkv, d, seed=11))
@@ -183,7 +184,8 @@ def test_cuda_backend_matches_reference(case):
     assert torch.equal(pages.tensor.float(), pages32.tensor)
 
 
-def test_fused_ops_match_eager():
+@pytest.mark.parametrize("d", [128, 96])
+def test_fused_ops_match_eager(d):
     import torch.nn.functional as F
 
     from kvtool.engine.models.fused_ops import qkv_norm_rope, rms_norm, silu_mul
@@ -196,7 +198,7 @@ def test_fused_ops_match_eager():
     gu = torch.randn((37, 2 * 12288), device=DEV).to(torch.bfloat16)
     assert rel_err(silu_mul(gu), F.silu(gu[:, :12288]) * gu[:, 12288:]) < 4e-3
 
-    t, hq, hkv, d = 29, 32, 8, 128
+    t, hq, hkv = 29, 32, 8
     qkv = torch.randn((t, (hq + 2 * hkv) * d), device=DEV).to(torch.bfloat16)
     pos = torch.arange(100, 100 + t, device=DEV).float()
     inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
@@ -307,7 +309,7 @@ def test_add_rms_norm_equals_the_add_then_the_norm(rows, n):
     assert torch.equal(y, rms_norm(x + d, w, 1e-6))
 
 
-@pytest.mark.parametrize("hq,hkv,d,norm", [(16, 8, 128, True), (9, 3, 64, False)])
+@pytest.mark.parametrize("hq,hkv,d,norm", [(16, 8, 128, True), (9, 3, 64, False), (4, 2, 96, True), (4, 4, 96, False)])
 def test_rope_kernel_writes_the_pages_exactly_as_the_store_kernel(hq, hkv, d, norm):
     """The fused rope kernel's page write (decode graphs use it) equals rope, then store_kv: bit
     for bit, padding slots (-1) untouched, a strided slot view as the graphs pass it."""
