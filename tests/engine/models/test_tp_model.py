@@ -7,8 +7,11 @@ KV heads). On the tiny preset (dummy weights, and its saved safetensors), on the
 default model SmolLM2-135M (real weights; 9 query / 3 KV heads, so rank 0 holds KV heads 0-1 and
 rank 1 KV head 2) and on a small Llama with biases, an untied LM head and odd MLP and vocab
 sizes (dummy weights, and saved across several safetensors files), and on the tiny-qwen2
-preset (q/k/v biases, none on o_proj), and on the tiny-mixtral and tiny-qwen3-moe presets (every
-expert's gate/up rows and down columns sharded, the router replicated): the greedy tokens equal one
+preset (q/k/v biases, none on o_proj), on the tiny-mixtral and tiny-qwen3-moe presets (every
+expert's gate/up rows and down columns sharded, the router replicated), on phi-3-tiny (q/k/v and
+gate/up stored fused, split as they load, then sharded; 96-wide heads) and on the saved tiny-fp8
+checkpoint (block-wise FP8, each rank dequantising its rows, KV rows that start inside a 128-row
+scale block): the greedy tokens equal one
 process's, the gathered logits are within float32 rounding of one process's and bit-identical on
 both ranks, and every parameter of a shard is exactly the rank's slice (rows or columns written
 out below, not derived from the code under test) of the whole model's tensor. A broken weights
@@ -40,7 +43,7 @@ BLOCK_SIZE = 16
 DECODE_STEPS = 4
 TINY_PROMPTS = [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]]
 PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS, "qwen2": TINY_PROMPTS, "mixtral": TINY_PROMPTS,
-           "qwen3moe": TINY_PROMPTS,
+           "qwen3moe": TINY_PROMPTS, "phi3": TINY_PROMPTS, "fp8": TINY_PROMPTS,
            "default": [[504, 3458, 314, 260, 3575, 282, 4649, 47], [19556, 28, 1834, 359, 346, 44, 2492, 30, 1076]]}
 # Per rank: (first, count) of its query heads, KV heads, MLP rows and vocabulary rows.
 SPLITS = {
@@ -51,6 +54,8 @@ SPLITS = {
     # MoE: the MLP rows are each expert's (Qwen3-MoE's dense last layer: EXPERT_ROWS's second entry).
     "mixtral": [((0, 2), (0, 1), (0, 192), (0, 256)), ((2, 2), (1, 1), (192, 192), (256, 256))],
     "qwen3moe": [((0, 2), (0, 1), (0, 96), (0, 256)), ((2, 2), (1, 1), (96, 96), (256, 256))],
+    "phi3": [((0, 1), (0, 1), (0, 256), (0, 256)), ((1, 1), (1, 1), (256, 256), (256, 256))],
+    "fp8": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
 }
 # Per rank: (first, count) of a Qwen3-MoE dense layer's MLP rows (intermediate_size 512).
 DENSE_ROWS = {"qwen3moe": [(0, 256), (256, 256)]}
@@ -60,8 +65,10 @@ UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
               attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
 LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy", "qwen2": "dummy", "mixtral": "dummy",
-               "qwen3moe": "dummy"}
+               "qwen3moe": "dummy", "phi3": "auto", "fp8": "auto"}
 MOE_PRESETS = {"mixtral": "tiny-mixtral", "qwen3moe": "tiny-qwen3-moe"}
+# Cases read from a saved preset directory (random weights written by `create_model_dir`).
+SAVED_PRESETS = {"phi3": "phi-3-tiny", "fp8": "tiny-fp8"}
 JOIN_TIMEOUT_S = 600
 
 
@@ -127,6 +134,9 @@ def _drive(model, case: str) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 def _full_tensors(case: str, model_dir) -> dict[str, torch.Tensor]:
     """Every tensor of the whole model, as one process has it."""
+    if case in SAVED_PRESETS:  # as one process loads them: split where stored fused, dequantised
+        whole = build_model(model_dir, "cpu", torch.float32, "auto")
+        return {name: p.detach() for name, p in whole.named_parameters()}
     if case != "default":
         return dict(iter_dummy_tensors(model_dir.config, "cpu", 0))
     from safetensors.torch import load_file
@@ -232,6 +242,9 @@ def case(request, tmp_path_factory):
 
     if request.param in MOE_PRESETS:
         create_model_dir(root / request.param, preset=MOE_PRESETS[request.param], seed=0)
+        return request.param, root / request.param, []
+    if request.param in SAVED_PRESETS:
+        create_model_dir(root / request.param, preset=SAVED_PRESETS[request.param], seed=0)
         return request.param, root / request.param, []
     if request.param == "qwen2":  # q/k/v biases sharded like their weights, none on o_proj
         create_model_dir(root / "qwen2", preset="tiny-qwen2", seed=0)
