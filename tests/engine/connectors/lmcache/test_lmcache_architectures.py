@@ -1,7 +1,9 @@
 """Every supported architecture's KV, stored by kvtool on LMCache's own server, is what LMCache's
 own client reads: a KV_2LTD chunk of shape [2, layers, tokens, kv_heads * head_dim] in the
 model's dtype, whose bytes are the ones kvtool loads back (each KV-head layout: grouped, one
-query head per KV head, head_dim 96, MoE layers)."""
+query head per KV head, head_dim 96, MoE layers). `kvtool verify-keys --against-lmcache --peer`
+over the same model directory then finds its keys equal to LMCache's own and every held chunk a
+fit for that model."""
 
 import json
 import uuid
@@ -24,14 +26,15 @@ PROMPT = [(i * 37) % 240 + 5 for i in range(2 * CHUNK + 5)]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_lmcache_reads_the_chunks_kvtool_stores(make_engine, lmcache_server, tmp_path, preset):
+def test_lmcache_reads_the_chunks_kvtool_stores(make_engine, lmcache_server, tmp_path, preset, run_kvtool):
     host, port, _ = lmcache_server
     model = tmp_path / preset
     create_model_dir(model, preset=preset, seed=5)
+    name = f"kvtool-test/{preset}-{uuid.uuid4().hex[:8]}"
     ktc = parse_kv_transfer_config(json.dumps({
         "kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
         "kv_connector_extra_config": {"host": host, "port": port, "hash_algo": "vllm", "chunk_tokens": CHUNK,
-                                      "model_name": f"kvtool-test/{preset}-{uuid.uuid4().hex[:8]}"}}))
+                                      "model_name": name}}))
     engine = make_engine(model=str(model), max_model_len=1024, kv_transfer_config=ktc)
     engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
     engine.executor.worker.connector.flush()
@@ -47,6 +50,15 @@ def test_lmcache_reads_the_chunks_kvtool_stores(make_engine, lmcache_server, tmp
     chunk = torch.frombuffer(bytearray(fetched.read_bytes()), dtype=DTYPES[dtype]).view(shape)
     expected = pages.gather(_prompt_blocks(engine, PROMPT)[1:2], "KV_2LTD", CHUNK)
     assert torch.equal(chunk, expected.cpu())
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(PROMPT))
+    code, out, err = run_kvtool(["verify-keys", "--tokens", tokens, "--model", model, "--model-name", name,
+                                 "--chunk-tokens", CHUNK, "--against-lmcache", "--peer", f"lm://{host}:{port}",
+                                 "--kv-dtype", dtype, "--json"])
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["agrees"], r["present"], r["fits"]) for r in rows] == [(True, True, True)] * 2, rows
 
 
 def _prompt_blocks(engine, prompt):
