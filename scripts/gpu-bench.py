@@ -17,6 +17,9 @@ Sections:
   decode      batch-1 TPOT with CUDA graphs and eager, Qwen3-8B and Qwen3-0.6B (--quick: Qwen3-0.6B)
   throughput  Qwen3-0.6B, 256 sequences, input and output lengths U[100, 1024], ignore_eos, greedy
               (the workload of `kvtool bench throughput`; --quick: 64 sequences)
+  models      other architectures with the default settings: Qwen2.5-7B (cold prefill 8k, batch-1
+              TPOT), Qwen3-8B in bf16 and as a block-wise FP8 checkpoint (the same two), Qwen3-30B-A3B
+              (batch-1 TPOT, throughput on the `throughput` workload); --quick: Qwen2.5-7B and the MoE
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
               local in-memory server in a separate process (tests/support/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
@@ -31,9 +34,10 @@ its own per section and model (scripts/gpu-bench-vllm.py), on the same workload 
 kvtool's arm: the same prompt token ids, greedy, EOS ignored, the same output lengths, passed
 as JSON. It covers `prefill` (prefix caching off), `hit` (full hits from vLLM's
 OffloadingConnector CPU tier, 256-token offload blocks, the GPU prefix cache reset before each),
-`decode` (graphs on) and `throughput`. The vLLM site (an unpacked vLLM pack, put first on the
-child's PYTHONPATH) is --vllm-site or $KVTOOL_VLLM_SITE; without either the child imports the
-vLLM of the environment. Rows with the same `measure` are one figure of both engines, and the
+`decode` (graphs on), `throughput` and `models` (Qwen2.5-7B and Qwen3-30B-A3B; the MoE model
+needs vLLM's `_moe_C` kernels, which the anchor pack leaves out: unpack them into the site's
+`vllm/` folder). The vLLM site (an unpacked vLLM pack, put first on the child's PYTHONPATH) is
+--vllm-site or $KVTOOL_VLLM_SITE; without either the child imports the vLLM of the environment. Rows with the same `measure` are one figure of both engines, and the
 last table sets them side by side. vLLM's logs go to vllm-SECTION-MODEL.log beside --out (or in
 the temporary folder).
 """
@@ -776,6 +780,97 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+# ---- other architectures --------------------------------------------------------------------------
+
+
+# (preset, what it is measured on): Qwen2.5-7B and the FP8 Qwen3-8B with the bf16 one beside it
+# (prefill 8k, TPOT), Qwen3-30B-A3B (TPOT, throughput on the Qwen3-0.6B workload's lengths).
+MODEL_ROWS = (("qwen2.5-7b", ("prefill", "tpot")), ("qwen3-8b", ("prefill", "tpot")),
+              ("qwen3-8b-fp8", ("prefill", "tpot")), ("qwen3-30b-a3b", ("tpot", "throughput")))
+MODEL_VLLM = ("qwen2.5-7b", "qwen3-30b-a3b")  # vLLM's arm: the FP8 rows compare with kvtool's bf16
+MODEL_ENGINE = {"max_model_len": 16384, "max_num_batched_tokens": 16384, "max_num_seqs": 256}
+
+
+def section_models():
+    warm, decode_prompts = decode_workload()
+    prefill_prompts = prefill_workload((8192,))[8192]
+    seqs = throughput_workload(64 if QUICK else 256)
+    work = {"prefill": prefill_prompts, "tpot": decode_prompts,
+            "throughput": ([s.prompt_token_ids for s in seqs], [s.output_len for s in seqs])}
+    for preset, measures in MODEL_ROWS[:1] + MODEL_ROWS[3:] if QUICK else MODEL_ROWS:
+        if "kvtool" in ENGINES:
+            kvtool_models(preset, measures, warm, work)
+        if "vllm" in ENGINES and preset in MODEL_VLLM:
+            vllm_models(preset, measures, warm, work)
+
+
+def kvtool_models(preset: str, measures, warm: list[int], work: dict) -> None:
+    from kvtool.engine.params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=DECODE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = make_engine(preset, enable_prefix_caching=False, **MODEL_ENGINE)
+    paths = engine.executor.worker.fast_paths
+    detail = {"moe_experts": paths.moe_experts, "cuda_graphs": paths.cuda_graphs}
+    engine.generate([warm], sp)
+    if "prefill" in measures:
+        ms = [engine.generate([p], one)[0].stats.ttft_s * 1e3 for p in work["prefill"]]
+        record("models", f"{preset} cold prefill TTFT 8k", statistics.median(ms[1:]), "ms", None,
+               measure=f"{preset} cold prefill 8k", runs_ms=[round(t, 2) for t in ms], **detail)
+    if "tpot" in measures:
+        tpots = []
+        for prompt in work["tpot"]:
+            r = engine.generate([prompt], sp)[0]
+            tpots.append(r.stats.decode_s / (len(r.output_token_ids) - 1) * 1e3)
+        record("models", f"{preset} TPOT batch 1 (2k context)", statistics.median(tpots), "ms", None,
+               measure=f"{preset} TPOT batch 1", runs_ms=[round(t, 3) for t in tpots], **detail)
+    if "throughput" in measures:
+        prompts, outs = work["throughput"]
+        sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+        engine.generate(prompts, sps)
+        walls = []
+        for _ in range(THROUGHPUT_PASSES):
+            t0 = time.perf_counter()
+            results = engine.generate(prompts, sps)
+            walls.append(time.perf_counter() - t0)
+        total = sum(len(r.output_token_ids) for r in results)
+        record("models", f"{preset} offline throughput, {len(prompts)} seqs in/out U[100,1024]", total / min(walls),
+               "tok/s", None, measure=f"{preset} throughput {len(prompts)} seqs", output_tokens=total,
+               walls_s=[round(w, 3) for w in walls], **detail)
+    engine.close()
+
+
+def vllm_models(preset: str, measures, warm: list[int], work: dict) -> None:
+    jobs = [requests_job("warm", [warm], DECODE_OUTPUT_TOKENS)]
+    if "prefill" in measures:
+        jobs.append(requests_job("prefill", work["prefill"], 1))
+    if "tpot" in measures:
+        jobs.append(requests_job("tpot", work["tpot"], DECODE_OUTPUT_TOKENS))
+    if "throughput" in measures:
+        prompts, outs = work["throughput"]
+        jobs.append({"name": "throughput", "job": "batch", "prompts": prompts, "max_tokens": outs,
+                     "passes": 1 + THROUGHPUT_PASSES})
+    startup, results = run_vllm("models", preset, {"enable_prefix_caching": False, **MODEL_ENGINE}, jobs)
+    engine = vllm_engine(startup)
+    if "prefill" in measures:
+        ms = [(r["ttft_s"] or r["wall_s"]) * 1e3 for r in results["prefill"]]
+        record("models", f"{preset} cold prefill TTFT 8k", statistics.median(ms[1:]), "ms", None, engine=engine,
+               measure=f"{preset} cold prefill 8k", runs_ms=[round(t, 2) for t in ms])
+    if "tpot" in measures:
+        tpots = [r["tpot_s"] * 1e3 if r["tpot_s"] else (r["wall_s"] - (r["ttft_s"] or 0)) / (r["output_tokens"] - 1) * 1e3
+                 for r in results["tpot"]]
+        record("models", f"{preset} TPOT batch 1 (2k context)", statistics.median(tpots), "ms", None, engine=engine,
+               measure=f"{preset} TPOT batch 1", runs_ms=[round(t, 3) for t in tpots])
+    if "throughput" in measures:
+        timed = results["throughput"][1:]
+        best = min(timed, key=lambda r: r["wall_s"])
+        n = len(work["throughput"][0])
+        record("models", f"{preset} offline throughput, {n} seqs in/out U[100,1024]",
+               best["output_tokens"] / best["wall_s"], "tok/s", None, engine=engine,
+               measure=f"{preset} throughput {n} seqs", output_tokens=best["output_tokens"],
+               walls_s=[round(r["wall_s"], 3) for r in timed])
+
+
 # ---- lm:// --------------------------------------------------------------------------------------
 
 MEMORY_LM_SERVER = REPO / "tests" / "support" / "memory_lm_server.py"
@@ -904,10 +999,11 @@ def section_lm():
 SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
+    "models": section_models,
 }
 
 
-VLLM_SECTIONS = ("prefill", "hit", "decode", "throughput")
+VLLM_SECTIONS = ("prefill", "hit", "decode", "throughput", "models")
 
 
 def side_by_side(rows: list[dict]) -> list[str]:
