@@ -89,7 +89,8 @@ def build_model(
     the model's heads do not split into tp.size ranks).
 
     RoPE is computed for sequences of up to `max_model_len` tokens (None: max_position_embeddings);
-    only longrope's frequencies depend on it (`rope`).
+    only longrope's frequencies depend on it (`rope`). A sliding window as long as that or longer
+    never binds: the attention blocks then attend without one.
     """
     config = source.config if isinstance(source, ModelDir) else source
     device = torch.device(device)
@@ -100,6 +101,11 @@ def build_model(
     with torch.device("meta"):
         model = cls(config, tp)
     _materialize(model, device, dtype, max_model_len)
+    longest = max_model_len or config.max_position_embeddings
+    if config.sliding_window is not None and config.sliding_window >= longest:
+        for module in model.modules():
+            if getattr(module, "sliding_window", None) is not None:
+                module.sliding_window = None
     model.eval()
     params = dict(model.named_parameters())
     with torch.no_grad():

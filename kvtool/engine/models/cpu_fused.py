@@ -78,7 +78,7 @@ def _qkv(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 def _attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     q, k, v = _qkv(self, x, cos, sin)
-    return _project_out(self.o_proj, self.o_linear, attend(self.layer_idx, q, k, v, self.scale))
+    return _project_out(self.o_proj, self.o_linear, attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window))
 
 
 def _layer_forward_rows(self: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,7 +87,7 @@ def _layer_forward_rows(self: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, 
     (every row's K/V is still stored)."""
     attn = self.self_attn
     q, k, v = _qkv(attn, self.input_layernorm(h), cos, sin)
-    a = _project_out(attn.o_proj, attn.o_linear, attend_rows(attn.layer_idx, q, k, v, attn.scale, rows))
+    a = _project_out(attn.o_proj, attn.o_linear, attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, window=attn.sliding_window))
     h = pad_rows_on_cpu(h.index_select(0, rows), few)
     h = h + a[: h.shape[0]]
     return h + self.mlp(self.post_attention_layernorm(h))

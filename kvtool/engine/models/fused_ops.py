@@ -322,7 +322,8 @@ def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor
 
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     q, k, v, into_pages = _rotated_into_pages(self, x, cos, sin)
-    return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages))
+    return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages,
+                                                 window=self.sliding_window))
 
 
 def attention_rows(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -330,7 +331,7 @@ def attention_rows(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin
     """The attention block of x [T, hidden] for `rows` only ([S] long, the step's sample rows):
     every row's K/V stored, attention and o_proj for `rows`. Returns [S, hidden]."""
     q, k, v, into_pages = _rotated_into_pages(attn, x, cos, sin)
-    out = attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, kv_stored=into_pages)
+    out = attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, kv_stored=into_pages, window=attn.sliding_window)
     if out.shape[0] == 0:  # no product (nor a tensor-parallel all-reduce) of no rows
         return x[:0]
     return _project_out(attn.o_proj, out)

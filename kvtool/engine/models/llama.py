@@ -30,6 +30,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        # Keys a query sees: those of the last `sliding_window` positions, or all (None).
+        self.sliding_window = config.sliding_window
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -50,7 +52,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale))
+        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -30,7 +30,7 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale))
+        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window))
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -160,3 +160,25 @@ def test_each_architecture_is_batch_invariant_with_graphs(model_dirs, name):
         assert sum(worker.runner.graphs.replays.values()), "no decode step replayed a graph"
     finally:
         engine.close()
+
+
+def test_a_window_that_binds_is_refused_on_cuda_in_one_line(tmp_path):
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.errors import ConfigError
+    from kvtool.engine.params import EngineParams
+    from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
+
+    d = tmp_path / "windowed"
+    preset = PRESETS["tiny-mistral"]
+    write_random_model_dir(d, {**preset.hf_config, "sliding_window": 128}, seed=1, tokenizer=preset.tokenizer,
+                           config_only=True)
+    with pytest.raises(ConfigError) as e:
+        LLMEngine(EngineParams(model=str(d), device="cuda", load_format="dummy", max_model_len=1024))
+    line = str(e.value)
+    assert "\n" not in line and "sliding-window attention (sliding_window=128) runs on --device cpu only" in line
+    engine = LLMEngine(EngineParams(model=str(d), device="cuda", load_format="dummy", max_model_len=128,
+                                    num_gpu_blocks=64))
+    try:
+        assert len(engine.generate([tokens(100, 1)], SP)[0].output_token_ids) == 8
+    finally:
+        engine.close()

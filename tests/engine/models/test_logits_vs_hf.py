@@ -146,6 +146,10 @@ RANDOM_CONFIGS = {
                                                mlp_only_layers=[1]),
     "qwen3moe-8e-top3-step2-v5": moe_config("Qwen3MoeForCausalLM", experts=8, top_k=3, form="v5",
                                             decoder_sparse_step=2),
+    # Sliding windows far shorter than the 96 positions: each query sees its last 24 (or 40) keys.
+    "mistral-gqa2-window24": {**config("MistralForCausalLM", heads=4, kv_heads=2, tied=False), "sliding_window": 24},
+    "mixtral-8e-top2-window40": moe_config("MixtralForCausalLM", experts=8, top_k=2, sliding_window=40),
+    "phi3-gqa2-window24-v5": phi3_config(heads=4, kv_heads=2, form="v5", sliding_window=24),
 }
 
 

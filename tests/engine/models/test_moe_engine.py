@@ -5,8 +5,8 @@ written by transformers' own save_pretrained: three prompts sharing a 48-token p
 greedy tokens each, equal transformers' greedy generation with chunked prefill (32 tokens a
 step); the prompts again hit the prefix cache and give the same tokens and logprobs; with the
 CPU + disk OffloadingConnector, an engine built after the first closed loads the stored KV and
-gives the same tokens and logprobs. The model reports its experts on the plain PyTorch loop
-and no CUDA graphs; a Mixtral window that binds is refused as Mistral's is.
+gives the same tokens and logprobs. On CPU the model reports its experts on the plain PyTorch
+loop and no CUDA graphs. (Windows that bind: test_sliding_window.py.)
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.engine.errors import ConfigError
 from kvtool.engine.models import build_model
 from kvtool.engine.models.fast_paths import apply_fast_paths
 from kvtool.engine.models.model_dir import open_model_dir
 from kvtool.engine.presets.catalog import PRESETS, create_model_dir, write_random_model_dir
 from tests.support.architecture_checks import (
-    GREEDY,
-    PROMPTS,
-    engine,
     greedy_matches_transformers_with_chunks_and_prefix_hits,
     offload_reuse_in_a_new_engine_equals_no_reuse,
 )
@@ -69,17 +65,3 @@ def test_experts_run_the_plain_loop_without_cuda_graphs(model_dir):
     assert paths.moe_experts == "torch" and not paths.cuda_graphs and not paths.fused_gate_up
     dense = md.config.num_layers - len(md.config.moe.sparse_layers)
     assert paths.gemm.down_proj == ("torch" if dense == 0 else "mixed") and paths.gemm.qkv == "onednn"
-
-
-def test_mixtral_sliding_window(tmp_path):
-    d = tmp_path / "windowed"
-    write_random_model_dir(d, {**PRESETS["tiny-mixtral"].hf_config, "sliding_window": 128}, seed=1,
-                           tokenizer=PRESETS["tiny-mixtral"].tokenizer)
-    with pytest.raises(ConfigError) as e:
-        engine(d, max_model_len=None)
-    assert "\n" not in str(e.value) and "sliding-window attention (sliding_window=128)" in str(e.value)
-    e = engine(d, max_model_len=128)
-    try:
-        assert len(e.generate([PROMPTS[0]], GREEDY)[0].output_token_ids) == 64
-    finally:
-        e.close()

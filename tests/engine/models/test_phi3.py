@@ -1,5 +1,4 @@
-"""Phi3ForCausalLM: its config (the window checked against --max-model-len, long-context RoPE
-refused in one line), its packed checkpoint (qkv_proj and gate_up_proj split as they load,
+"""Phi3ForCausalLM: its config (its window, long-context RoPE refused in one line), its packed checkpoint (qkv_proj and gate_up_proj split as they load,
 refused in one line when they do not fit), and the engine on the phi-3-tiny preset against
 transformers (the reference, float32 on CPU): greedy tokens and log-probabilities through
 chunked prefill and prefix hits, the OffloadingConnector's CPU + disk reuse in a second engine,
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.engine import LLMEngine
-from kvtool.engine.errors import ConfigError, ModelError
+from kvtool.engine.errors import ModelError
 from kvtool.engine.models import build_model, checkpoint_shapes
 from kvtool.engine.models.model_dir import open_model_dir, parse_config
 from kvtool.engine.params import EngineParams, SamplingParams
@@ -86,20 +85,6 @@ def test_config_reads_phi3_defaults_and_its_long_context_rope():
         with pytest.raises(ModelError, match="Phi3ForCausalLM with '(su|linear)' RoPE is not supported") as e:
             parse_config({**raw, "rope_scaling": scaling})
         _one_line(e)
-
-
-def test_engine_refuses_a_window_that_binds(phi3_dir):
-    # The window hides keys from a query only past WINDOW tokens: the default length (4096) is
-    # refused, WINDOW itself runs (the other tests below run at it).
-    with pytest.raises(ConfigError) as e:
-        LLMEngine(_params(phi3_dir, max_model_len=None))
-    assert _one_line(e).endswith(f"sliding-window attention (sliding_window={WINDOW}) is not supported yet; "
-                                 f"--max-model-len {WINDOW} or less runs it (full attention)")
-    with pytest.raises(ConfigError, match="--max-model-len 2047 or less"):
-        LLMEngine(_params(phi3_dir, max_model_len=WINDOW + 1))
-
-
-# -- packed checkpoint -------------------------------------------------------------------------
 
 
 def test_packed_tensors_are_split_and_refused_when_wrong(phi3_dir, tmp_path):

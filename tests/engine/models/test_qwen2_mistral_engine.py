@@ -5,20 +5,15 @@ form): three prompts sharing a 48-token prefix, 64 greedy tokens each, must equa
 transformers' greedy generation; prefill is chunked (32 tokens a step). The same prompts again
 hit the prefix cache and give the same tokens, logprobs included; and with the CPU + disk
 OffloadingConnector, an engine built after the first one closed loads the stored KV and gives
-the same tokens and logprobs as the first. Mistral's sliding window larger than the engine's
-length runs; a smaller one is refused in one line unless --max-model-len fits in it.
+the same tokens and logprobs as the first. (Windows that bind: test_sliding_window.py.)
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvtool.engine.errors import ConfigError
-from kvtool.engine.params import SamplingParams
 from kvtool.engine.presets.catalog import PRESETS, create_model_dir, write_random_model_dir
 from tests.support.architecture_checks import (
-    PROMPTS,
-    engine,
     greedy_matches_transformers_with_chunks_and_prefix_hits,
     offload_reuse_in_a_new_engine_equals_no_reuse,
 )
@@ -43,19 +38,3 @@ def test_greedy_tokens_match_transformers_with_chunks_and_prefix_hits(model_dir)
 
 def test_offloading_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path):
     offload_reuse_in_a_new_engine_equals_no_reuse(model_dir, tmp_path)
-
-
-def test_mistral_sliding_window(tmp_path):
-    d = tmp_path / "windowed"
-    write_random_model_dir(d, {**PRESETS["tiny-mistral"].hf_config, "sliding_window": 128}, seed=1,
-                           tokenizer=PRESETS["tiny-mistral"].tokenizer)
-    with pytest.raises(ConfigError) as e:
-        engine(d, max_model_len=None)
-    line = str(e.value)
-    assert "\n" not in line and "sliding-window attention (sliding_window=128) is not supported yet" in line
-    assert "--max-model-len 128 or less" in line
-    e = engine(d, max_model_len=128)  # full attention within the window: runs
-    try:
-        assert len(e.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4))[0].output_token_ids) == 4
-    finally:
-        e.close()

@@ -17,6 +17,11 @@ no kernel's row depends on the rows computed with it.
 On CPU the model may pad the step to a multiple of ROW_MULTIPLE rows (BLAS computes fewer rows
 with other kernels, see `cpu_flash`); rows past the step's tokens are never stored and attend to
 nothing.
+
+A layer of a sliding-window model passes `window` W: each query row at position p sees the keys
+at positions (p - W, p] only (transformers' and vLLM's reading of `sliding_window`). The CPU
+paths apply it as a mask over the keys they read, which stay in the pages; the CUDA kernels do
+not take a window yet, and the engine refuses such a model on CUDA before it builds one.
 """
 
 from __future__ import annotations
@@ -71,25 +76,33 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> B
     return "cuda"
 
 
+def _no_cuda_window(window: int | None) -> None:
+    if window is not None:
+        raise NotImplementedError("the CUDA attention kernels take no sliding window yet")
+
+
 def attend(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Store k/v of the new tokens, attend, return [T, Hq * D].
 
     `kv_stored`: the caller already wrote k/v into the pages at the step's slots (the CUDA rope
-    kernel does), after calling the layer's `before_layer` hook itself."""
+    kernel does), after calling the layer's `before_layer` hook itself. `window`: the layer's
+    sliding window (None: full attention)."""
     meta = current_metadata()
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
+        _no_cuda_window(window)
         out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
         if q.device.type == "cpu" and meta.kv_pages.tensor.dtype == q.dtype:
-            out = cpu_flash_attention(meta, layer, q, k, v, scale)
+            out = cpu_flash_attention(meta, layer, q, k, v, scale, window)
         else:
-            out = paged_attention_reference(meta, layer, q, scale)
+            out = paged_attention_reference(meta, layer, q, scale, window)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], -1)
@@ -97,7 +110,7 @@ def attend(
 
 def attend_rows(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor,
-    kv_stored: bool = False,
+    kv_stored: bool = False, window: int | None = None,
 ) -> torch.Tensor:
     """`attend` with only the query rows `rows` ([S] long) wanted: stores every new token's k/v
     (unless `kv_stored`, as for `attend`), attends for `rows` alone. On CPU (float32 pages)
@@ -110,11 +123,12 @@ def attend_rows(
     if db is not None:
         if db.sampled is None:
             raise RuntimeError("attend_rows on CUDA needs the step's batch of its sampled rows")
+        _no_cuda_window(window)
         out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
-        out = cpu_flash_rows(meta, layer, q, rows, scale)
+        out = cpu_flash_rows(meta, layer, q, rows, scale, window)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], q.shape[1] * q.shape[2])

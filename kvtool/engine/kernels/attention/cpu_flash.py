@@ -14,9 +14,11 @@ then depend on three things only, which this module fixes:
   on AVX2 machines; 1 to 15 on AVX-512 and AMX ones, whose small-row kernels round
   differently), so every prefill call gets a row count that is a multiple of ROW_MULTIPLE
   (padded with zero rows); the kernel's tiles (32, 64 or 256 rows and the tail) are then
-  multiples of it too. Inside this kernel only one row rounds otherwise (measured on AVX-512 and
-  AMX: 2 to 16 rows give the bits of a 64-row tile), so a decode call, whose rows are query
-  heads, is padded to a multiple of DECODE_ROW_MULTIPLE only.
+  multiples of it too. Inside this kernel fewer rows round otherwise: how few depends on the
+  CPU and the head size (one or two rows at head size 64 on AVX-512 machines, up to four at 96
+  and 128), so a decode call, whose rows are query heads, is padded to a multiple of
+  `decode_row_multiple(head_dim, dtype)`, found once per process by comparing the kernel's rows
+  against a 64-row tile's.
 * **the batch**: each (batch, head, row tile) item is computed alone, one thread each, so a
   sequence's rows come out the same whatever else is in the call.
 
@@ -26,6 +28,10 @@ batch dimension, so q, K and V are views. Decode rows (one new token) are batche
 whose last row has the same key length share one call, a sequence's query heads of one KV head
 as its rows.
 `tests/engine/kernels/attention/test_cpu_identity.py` checks tokens and logprobs bit for bit end to end.
+
+A sliding-window layer (`window` W) reads the same keys and adds the window to the mask: keys at
+or before p - W are masked for the row at p. The mask still depends on the row's position alone,
+so the rows keep their bits wherever they are computed.
 """
 
 from __future__ import annotations
@@ -41,16 +47,40 @@ KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
 # steps waste fewer masked keys; coarser ones put more decode sequences into one call.
 SHORT_STEP, LONG_STEP = 64, 256
 ROW_MULTIPLE = 16  # BLAS row (column) counts below 16 can take other code paths
-# A decode call's rows are one KV head's query heads. Inside the flash kernel a row's bits
-# depend on its tile only below 2 rows here (GEMV); AVX2 BLAS differs up to 3 rows in the
-# model's GEMMs, so a decode group is padded to a multiple of 4 (not of ROW_MULTIPLE: the
-# flash kernel's exponentials run on every padded row, and decode is most of a long run).
-DECODE_ROW_MULTIPLE = 4
+# A decode call's rows are one KV head's query heads, padded to the smallest of these whose
+# every multiple gives a 64-row tile's bits (not to ROW_MULTIPLE when a smaller one does: the
+# flash kernel's exponentials run on every padded row, and decode is most of a long run). At
+# least 4: AVX2 BLAS differs up to 3 rows in the model's GEMMs.
+DECODE_ROW_MULTIPLES = (4, 8, ROW_MULTIPLE)
+_decode_multiples: dict[tuple[int, torch.dtype], int] = {}
 _PLAN_KEY = "cpu_flash_plan"
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def decode_row_multiple(head_dim: int, dtype: torch.dtype) -> int:
+    """The row multiple of a decode call for this head size and dtype on this CPU: the smallest
+    of DECODE_ROW_MULTIPLES whose every multiple up to 64 rows gives each row the bits it has in
+    a 64-row tile, over one key block and over several (ROW_MULTIPLE itself always does: the
+    prefill tiles are its multiples). Measured once per process."""
+    key = (head_dim, dtype)
+    if key not in _decode_multiples:
+        g = torch.Generator().manual_seed(head_dim)
+        found = ROW_MULTIPLE
+        cases = []
+        for num_keys in (128, KEY_BLOCK + 64):
+            q, k, v = (torch.randn((1, 1, n, head_dim), generator=g).to(dtype) for n in (64, num_keys, num_keys))
+            mask = _causal_mask(torch.arange(num_keys - 64, num_keys), num_keys, dtype)[None, None]
+            cases.append((q, k, v, mask, _flash(q, k, v, mask, head_dim**-0.5)))
+        for m in DECODE_ROW_MULTIPLES[:-1]:
+            if all(torch.equal(_flash(q[:, :, :n], k, v, mask[:, :, :n], head_dim**-0.5), whole[:, :, :n])
+                   for q, k, v, mask, whole in cases for n in range(m, 64, m)):
+                found = m
+                break
+        _decode_multiples[key] = found
+    return _decode_multiples[key]
 
 
 def key_length(position: int) -> int:
@@ -67,6 +97,8 @@ class _Tile:
     num_padded: int  # num_rows rounded up to ROW_MULTIPLE
     num_keys: int
     mask: torch.Tensor  # [1, 1, num_padded, num_keys]: 0 where visible, -inf elsewhere
+    positions: torch.Tensor  # [num_padded]: each row's position (padding rows repeat the last)
+    windowed: dict[int, torch.Tensor]  # window -> `mask` with that window, made once per step
 
 
 @dataclass(slots=True)
@@ -86,6 +118,8 @@ class _DecodeGroup:
     block_table: torch.Tensor  # [B * L / block_size] long, 0 past each sequence's blocks
     past_context: torch.Tensor  # flat slots (of [B * L]) at or past each context: zeroed after the gather
     mask: torch.Tensor  # [B, 1, 1, L]
+    positions: torch.Tensor  # [B]: each row's position
+    windowed: dict[int, torch.Tensor]  # window -> `mask` with that window
     num_keys: int  # L (the buffers may hold a few more: whole pages)
     queries: torch.Tensor  # [B, Hkv, padded group size, D], zero past the group's heads
     keys: torch.Tensor  # [B, L, Hkv, D]
@@ -96,6 +130,19 @@ class _DecodeGroup:
 class _Plan:
     prefills: list[_Prefill]
     decodes: list[_DecodeGroup]
+
+
+def _windowed(mask: torch.Tensor, positions: torch.Tensor, window: int | None,
+              cache: dict[int, torch.Tensor]) -> torch.Tensor:
+    """`mask` ([1, 1, R, K] or [B, 1, 1, K], rows at `positions`) with the keys at or before
+    position - window masked too; the mask itself without a window."""
+    if window is None:
+        return mask
+    if window not in cache:
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        outside = (keys[None, :] <= positions[:, None] - window).view(mask.shape)
+        cache[window] = mask.masked_fill(outside, float("-inf"))
+    return cache[window]
 
 
 def _causal_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,7 +193,9 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
         while lo < s.ctx_len:
             hi = min(key_length(lo), s.ctx_len)
             n, n_pad = hi - lo, _round_up(hi - lo, ROW_MULTIPLE)
-            tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _tile_mask(lo, hi, n_pad, key_length(lo), dtype, dev)))
+            positions = torch.arange(lo, lo + n_pad, device=dev).clamp_(max=hi - 1)
+            tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _tile_mask(lo, hi, n_pad, key_length(lo), dtype, dev),
+                               positions, {}))
             lo = hi
         prefix = s.block_ids[: -(-start // bs)] if start else None
         # Whole pages fit (a block may be longer than KEY_BLOCK); flash reads num_keys of them.
@@ -183,8 +232,10 @@ def _decode_groups(by_length: dict[int, list[SeqSpan]], g, dev: torch.device, dt
             block_table=table.view(-1),
             past_context=past,
             mask=_causal_mask(ctx - 1, n_keys, dtype)[:, None, None, :],
+            positions=ctx - 1,
+            windowed={},
             num_keys=n_keys,
-            queries=torch.zeros((b, hkv, _round_up(group, DECODE_ROW_MULTIPLE), d), dtype=dtype, device=dev),
+            queries=torch.zeros((b, hkv, _round_up(group, decode_row_multiple(d, dtype)), d), dtype=dtype, device=dev),
             keys=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
             values=torch.empty((b, width * bs, hkv, d), dtype=dtype, device=dev),
         ))
@@ -198,12 +249,13 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def cpu_flash_attention(
-    meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries q [T, Hq, D] (T may exceed the step's tokens: rows past
     them are padding and come back zero) over each sequence's keys: the pages for what came
     before this step, k and v [T, Hkv, D] for the new tokens. The new tokens' K/V must already be
-    in the pages. Returns [T, Hq, D]."""
+    in the pages. `window`: the layer's sliding window, or None. Returns [T, Hq, D]."""
     plan = meta.extra.get(_PLAN_KEY)
     if plan is None:
         plan = meta.extra[_PLAN_KEY] = _plan(meta, q)
@@ -235,14 +287,14 @@ def cpu_flash_attention(
             q4 = rows.view(tile.num_padded, hkv, group, d).permute(2, 1, 0, 3)
             k4 = keys[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
             v4 = values[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
-            o = _flash(q4, k4, v4, tile.mask, scale)  # [G, Hkv, R, D]
+            o = _flash(q4, k4, v4, _windowed(tile.mask, tile.positions, window, tile.windowed), scale)  # [G, Hkv, R, D]
             out[lo : lo + tile.num_rows] = o[:, :, : tile.num_rows].permute(2, 1, 0, 3).reshape(tile.num_rows, hq, d)
-    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale)
+    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale, window)
     return out
 
 
 def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: torch.Tensor, q: torch.Tensor,
-                 out: torch.Tensor, scale: float) -> None:
+                 out: torch.Tensor, scale: float, window: int | None) -> None:
     hkv, d = k_pages.shape[2], k_pages.shape[3]
     hq = q.shape[1]
     group = hq // hkv
@@ -256,11 +308,12 @@ def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: tor
         g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
         g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
         k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
-        o = _flash(g.queries, k4, v4, g.mask, scale)  # [B, Hkv, Gp, D]
+        o = _flash(g.queries, k4, v4, _windowed(g.mask, g.positions, window, g.windowed), scale)  # [B, Hkv, Gp, D]
         out.index_copy_(0, g.out_rows, o[:, :, :group].reshape(b, hq, d))
 
 
-def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+                   window: int | None = None) -> torch.Tensor:
     """Attention of the query rows `rows` ([S] long, rows of q [T, Hq, D]) only, each as a decode
     row at its position (the bits it has in any prefill tile, `_plan`'s invariant). The step's
     K/V must already be in the pages. Returns [S rounded up to ROW_MULTIPLE, Hq, D], zero past S."""
@@ -278,5 +331,5 @@ def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: t
     groups = _decode_groups(by_length, g, q.device, q.dtype, q.shape[1] // g.num_kv_heads, out_rows)
     pages = meta.kv_pages.tensor
     out = q.new_zeros((_round_up(rows.numel(), ROW_MULTIPLE), *q.shape[1:]))
-    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale)
+    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale, window)
     return out

@@ -9,12 +9,13 @@ from kvtool.engine.kernels.attention.context import AttentionMetadata
 
 
 def paged_attention_reference(
-    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """Attention of the packed queries q [T, Hq, D] over each sequence's pages. Returns [T, Hq, D].
 
     The new tokens' K/V must already be in the pages. Causality is bottom-right aligned: query
-    row i of a sequence sits at absolute position ctx_len - q_len + i.
+    row i of a sequence sits at absolute position ctx_len - q_len + i. With `window` W a row at
+    position p sees the keys at (p - W, p] only.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -25,7 +26,12 @@ def paged_attention_reference(
         v = v.transpose(0, 1).to(q.dtype)
         # Grouped-query attention inside SDPA, as transformers computes it (same rounding).
         gqa = num_heads != k.shape[0]
-        if s.q_len == s.ctx_len:
+        if window is not None and s.ctx_len > window:
+            pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
+            pos_k = torch.arange(s.ctx_len, device=q.device)
+            mask = (pos_k[None, :] <= pos_q[:, None]) & (pos_k[None, :] > pos_q[:, None] - window)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        elif s.q_len == s.ctx_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         elif s.q_len == 1:
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -17,8 +18,8 @@ BS, HKV, GROUP, D = 16, 2, 3, 32
 SCALE = D**-0.5
 
 
-def _pages(num_blocks: int) -> KVPages:
-    g = KVGeometry(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="float32")
+def _pages(num_blocks: int, d: int = D) -> KVPages:
+    g = KVGeometry(num_layers=1, num_kv_heads=HKV, head_dim=d, block_size=BS, dtype="float32")
     pages = KVPages(g, num_blocks, torch.device("cpu"))
     pages.tensor.fill_(float("nan"))  # slots never written must never reach a result
     return pages
@@ -27,16 +28,16 @@ def _pages(num_blocks: int) -> KVPages:
 class Sequence:
     """One sequence's q/k/v for every position, and its blocks (in reverse order) in shared pages."""
 
-    def __init__(self, length: int, first_block: int, seed: int, group: int = GROUP) -> None:
+    def __init__(self, length: int, first_block: int, seed: int, group: int = GROUP, d: int = D) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.q = torch.randn(length, HKV * group, D, generator=g)
-        self.k = torch.randn(length, HKV, D, generator=g)
-        self.v = torch.randn(length, HKV, D, generator=g)
+        self.q = torch.randn(length, HKV * group, d, generator=g)
+        self.k = torch.randn(length, HKV, d, generator=g)
+        self.v = torch.randn(length, HKV, d, generator=g)
         n = math.ceil(length / BS)
         self.blocks = torch.arange(first_block + n - 1, first_block - 1, -1)
 
 
-def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
+def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]], window: int | None = None) -> list[torch.Tensor]:
     """Compute positions [start, end) of each (sequence, start, end) in one step; their outputs."""
     seqs, qs, ks, vs, blocks, offsets, at = [], [], [], [], [], [], 0
     for s, start, end in parts:
@@ -47,7 +48,7 @@ def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]]) -> list[torch.
         at += end - start
     meta = AttentionMetadata(kv_pages=pages, seqs=seqs, slot_block_ids=torch.cat(blocks), slot_offsets=torch.cat(offsets))
     with attention_context(meta):
-        out = attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), SCALE)
+        out = attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), SCALE, window=window)
     return list(out.split([e - s for _, s, e in parts]))
 
 
@@ -86,16 +87,39 @@ def test_key_lengths_depend_on_the_position_only():
     assert [key_length(p) for p in (0, 63, 64, 511, 512, 767, 768)] == [64, 64, 128, 512, 768, 768, 1024]
 
 
-def test_decode_rows_of_one_query_head_equal_prefill_rows():
-    """A decode call's rows are one KV head's query heads, padded to DECODE_ROW_MULTIPLE: with
-    one query head per KV head a single row would take BLAS's one-row path and round otherwise."""
+@pytest.mark.parametrize("d", [32, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_rows_equal_prefill_rows_at_every_head_size(d, group):
+    """A decode call's rows are one KV head's query heads, padded to `decode_row_multiple`: with
+    one query head per KV head a single row would take BLAS's one-row path and round otherwise,
+    and on some CPUs a few rows more at the larger head sizes (Phi-3's 96, Qwen3's 128)."""
     length = 600
-    seq = Sequence(length, 0, seed=7, group=1)
-    whole = _step(_pages(100), [(seq, 0, length)])[0]
-    pages = _pages(100)
+    seq = Sequence(length, 0, seed=7, group=group, d=d)
+    whole = _step(_pages(100, d), [(seq, 0, length)])[0]
+    pages = _pages(100, d)
     _step(pages, [(seq, 0, 500)])
     for p in range(500, 520):
         assert torch.equal(_step(pages, [(seq, p, p + 1)])[0], whole[p : p + 1]), p
+
+
+@pytest.mark.parametrize("window", [1, 24, 100, 700])
+def test_a_window_masks_the_keys_before_it_and_rows_keep_their_bits(window):
+    """A sliding-window layer: each row equals causal SDPA over its last `window` keys, and is the
+    same computed in one prefill, in chunks after a prefix, or as a decode step."""
+    length = 600
+    seq = Sequence(length, 0, seed=5)
+    whole = _step(_pages(100), [(seq, 0, length)], window)[0]
+    pos = torch.arange(length)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        seq.q.transpose(0, 1), seq.k.transpose(0, 1).repeat_interleave(GROUP, 0),
+        seq.v.transpose(0, 1).repeat_interleave(GROUP, 0), attn_mask=mask, scale=SCALE).transpose(0, 1)
+    assert torch.allclose(whole.view(length, -1, D), ref, atol=1e-5)
+    pages = _pages(100)
+    chunks = [_step(pages, [(seq, a, b)], window)[0] for a, b in ((0, 200), (200, 517), (517, 518))]
+    assert torch.equal(torch.cat(chunks), whole[:518])
+    for p in range(518, 530):
+        assert torch.equal(_step(pages, [(seq, p, p + 1)], window)[0], whole[p : p + 1]), p
 
 
 def test_tile_masks_are_kept_bounded_and_right():
