@@ -36,6 +36,17 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralFor
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                                "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Models with recurrent layers (Mamba, Gated DeltaNet, short convolutions, linear attention), whose
+# per-sequence state is not a sequence of KV blocks: nothing of it can be paged, prefix-cached or
+# offloaded by block. Also recognised by their config's layer_types.
+RECURRENT_ARCHITECTURES = (
+    "BambaForCausalLM", "FalconH1ForCausalLM", "FalconMambaForCausalLM", "GraniteMoeHybridForCausalLM",
+    "JambaForCausalLM", "KimiLinearForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
+    "MambaForCausalLM", "MiniMaxText01ForCausalLM", "NemotronHForCausalLM", "Plamo2ForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration", "RecurrentGemmaForCausalLM", "RwkvForCausalLM", "Zamba2ForCausalLM",
+)
+_RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "recurrent", "gated_deltanet")
 # max_position_embeddings when config.json leaves it out: the transformers config class's default.
 _DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
                           "MistralForCausalLM": 4096 * 32, "MixtralForCausalLM": 4096 * 32}
@@ -152,6 +163,13 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         arch = archs[0]
     else:
         arch = _ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type", ""), raw.get("model_type"))
+    recurrent = sorted({t for t in raw.get("layer_types") or [] if isinstance(t, str)} & set(_RECURRENT_LAYER_TYPES))
+    if arch in RECURRENT_ARCHITECTURES or recurrent:
+        layers = f"its {', '.join(recurrent)} layers" if recurrent else "its recurrent layers"
+        raise ModelError(
+            f"{where}: {arch} is not supported: {layers} keep a per-sequence state that is not block-addressed, so "
+            f"it cannot be paged, prefix-cached or offloaded by block"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"{where}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"

@@ -207,6 +207,20 @@ def test_unsupported_architecture(model_dir):
         assert name in line
 
 
+@pytest.mark.parametrize(("change", "named"), [
+    ({"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM is not supported: its recurrent layers"),
+    ({"architectures": ["MambaForCausalLM"]}, "MambaForCausalLM is not supported: its recurrent layers"),
+    ({"architectures": ["Qwen3ForCausalLM"], "layer_types": ["linear_attention", "full_attention"]},
+     "Qwen3ForCausalLM is not supported: its linear_attention layers"),
+])
+def test_recurrent_layers_are_refused_in_one_line(model_dir, change, named):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ModelError, match=named) as e:
+        open_model_dir(model_dir)
+    assert "not block-addressed" in one_line_error(e)
+
+
 def test_unsupported_rope_and_sliding_window(model_dir):
     for change, match in (
         ({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}},
