@@ -24,6 +24,7 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
 from kvtool.engine.kv.cache_size import num_kv_blocks
 from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
+from kvtool.engine.models import MODEL_CLASSES
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.default_model import resolve_model_path
@@ -85,6 +86,9 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
+        if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].fused_forwards:
+            raise ConfigError(f"{self.model_dir.path}: {cfg.architecture} runs on --device cpu only so far (no CUDA "
+                              f"kernels for its layers yet)")
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_model_len and self.device.type == "cuda":
             raise ConfigError(
                 f"{self.model_dir.path}: sliding-window attention (sliding_window={cfg.sliding_window}) runs on "

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from kvtool.engine.errors import ConfigError, ModelError
+from kvtool.engine.models.gemma3 import Gemma3ForCausalLM
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
 from kvtool.engine.models.mistral import MistralForCausalLM
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -219,7 +221,8 @@ def iter_dummy_tensors(config: ModelConfig, device: torch.device | str, seed: in
     for name, shape in parameter_shapes(config).items():
         values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * values
+            # Gemma's norms scale by (1 + weight): the same spread around one.
+            values = 0.1 * values if config.gemma is not None else 1.0 + 0.1 * values
         elif name.endswith(".bias"):
             values = 0.1 * values
         else:

@@ -108,8 +108,11 @@ def _out_product(proj: nn.Linear) -> CpuLinear:
 
 def fuse_cpu_modules(model: CausalLM) -> list[CpuLinear]:
     """Set the model's norms, attention blocks, MLPs, last-layer rows and LM head to the fused
-    forwards above. Returns every product, in module order (the LM head first)."""
+    forwards above. Returns every product, in module order (the LM head first); none for a
+    model whose modules are not the ones these forwards are written for (`CausalLM.fused_forwards`)."""
     products: list[CpuLinear] = []
+    if not model.fused_forwards:
+        return products
     for module in model.modules():
         if isinstance(module, CausalLM):
             tied = module.lm_head is None

@@ -100,6 +100,7 @@ def apply_fast_paths(
 
 
 def _apply(model: CausalLM, device: torch.device, dtype: torch.dtype, backend: str, fused: bool) -> FastPaths:
+    fused = fused and model.fused_forwards
     if fused and device.type == "cpu":
         return _apply_cpu(model)
     if fused and backend != "reference" and select_backend(device, dtype, model.config.head_dim) == "cuda":

@@ -408,6 +408,8 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
     kernels (their `fast_forward` / `logits_product` fields). Returns what it set."""
     attention = num_attention = mlps = moe = 0
     decoder = False
+    if not model.fused_forwards:  # modules these forwards are not written for (`CausalLM`)
+        return FusedModules(attention, num_attention, mlps, moe, decoder)
     for module in model.modules():
         if isinstance(module, CausalLM):
             weight = module.model.embed_tokens.weight if module.lm_head is None else module.lm_head.weight

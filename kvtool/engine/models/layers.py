@@ -251,12 +251,17 @@ class CausalLM(nn.Module):
     # Checkpoint module name -> this model's modules whose weights it stores, concatenated by rows
     # (Phi-3's qkv_proj and gate_up_proj); `models.build_model` splits them as it loads.
     packed_modules: dict[str, tuple[str, ...]] = {}
+    # The decoder under `model.` (Gemma 3 has its own: other norms, two RoPEs, a scaled embedding).
+    decoder_cls: type[nn.Module] = DecoderModel
+    # Whether `fast_paths.apply_fast_paths` may set the fused forwards, written for the modules
+    # above (Llama's norms, SiLU MLPs); a model of other modules runs its own forwards.
+    fused_forwards = True
 
     def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, self.attention_cls, tp, self.moe_cls)
+        self.model = self.decoder_cls(config, self.attention_cls, tp, self.moe_cls)
         # Tied models read the embedding matrix as the output projection; no lm_head parameter exists.
         # Untied ones hold the same vocab rows of lm_head as of the embedding.
         vocab_rows = split_range(config.vocab_size, tp.size, tp.rank)[1]

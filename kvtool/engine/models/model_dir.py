@@ -31,9 +31,9 @@ from kvtool.engine.models.quantization import WeightQuantization, parse_quantiza
 from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                                "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Models with recurrent layers (Mamba, Gated DeltaNet, short convolutions, linear attention), whose
@@ -49,7 +49,8 @@ RECURRENT_ARCHITECTURES = (
 _RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "recurrent", "gated_deltanet")
 # max_position_embeddings when config.json leaves it out: the transformers config class's default.
 _DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
-                          "MistralForCausalLM": 4096 * 32, "MixtralForCausalLM": 4096 * 32}
+                          "MistralForCausalLM": 4096 * 32, "MixtralForCausalLM": 4096 * 32,
+                          "Gemma3ForCausalLM": 131072}
 # The RoPE types Phi-3 runs with: its long-context configs (Phi-3-mini-128k, Phi-3.5-mini) name longrope.
 _PHI3_ROPE_TYPES = ("default", "longrope")
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +68,21 @@ class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The layers with an MoE block; the others have a dense MLP of intermediate_size (Qwen3-MoE's
     # mlp_only_layers and decoder_sparse_step; every layer in Mixtral).
     sparse_layers: list[int]
+
+
+class GemmaConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a Gemma 3 text config adds to a dense decoder's (transformers' Gemma3TextConfig)."""
+
+    # Attention scale: query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5).
+    query_pre_attn_scalar: float
+    # The layers of local (sliding-window) attention, from layer_types or sliding_window_pattern;
+    # the others attend globally.
+    sliding_layers: list[int]
+    # The local layers' RoPE (the global layers' is the config's rope_theta / rope_scaling).
+    local_rope_theta: float
+    local_rope_scaling: dict[str, Any] | None
+    # logits = tanh(logits / cap) * cap after the LM head; None: none.
+    final_logit_softcapping: float | None = None
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,6 +121,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: WeightQuantization | None = None
     # Mixtral and Qwen3-MoE; None for a dense model.
     moe: MoeConfig | None = None
+    # Gemma 3 (its sliding_window then covers gemma.sliding_layers only); None for the others.
+    gemma: GemmaConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +206,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     num_kv_heads = get("num_key_value_heads", int, None) or num_heads
     # Llama derives head_dim from the hidden size; Qwen3's config class defaults it to 128.
     # (Qwen3-MoE's has no default: hidden_size / num_heads, as Llama's.)
-    default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // max(num_heads, 1)
+    default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}.get(arch, hidden // max(num_heads, 1))
     head_dim = get("head_dim", int, None) or default_head_dim
     for key, value in (("hidden_size", hidden), ("num_attention_heads", num_heads),
                        ("num_key_value_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -198,8 +216,11 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         raise ModelError(f"{where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
     if head_dim % 2:
         raise ModelError(f"{where}: head_dim={head_dim} must be even for rotary embeddings")
-    if get("hidden_act", str, "silu") != "silu":
-        raise ModelError(f"{where}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
+    gemma_arch = arch == "Gemma3ForCausalLM"
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") if gemma_arch else get("hidden_act", str, "silu")
+    if activation != ("gelu_pytorch_tanh" if gemma_arch else "silu"):
+        raise ModelError(f"{where}: unsupported hidden activation {activation!r} for {arch} "
+                         f"(only {'gelu_pytorch_tanh' if gemma_arch else 'silu'})")
     if get("mlp_bias", bool, False):
         raise ModelError(f"{where}: mlp_bias=true is not supported")
     # Mistral's and Mixtral's configs apply `sliding_window` when set (null: full attention); Qwen's
@@ -212,7 +233,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         mistral_window = get("sliding_window", int, None)
     qwen_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
     layer_types = get("layer_types", list, None) or []
-    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM")
     if qwen_window is not None or (not windowed and any(t != "full_attention" for t in layer_types)):
         raise ModelError(f"{where}: sliding-window attention is not supported")
     if mistral_window is not None and mistral_window <= 0:
@@ -223,6 +244,10 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         # 0 means none, as vLLM reads it.
         sliding_window = get("sliding_window", int, None) or None
         _refuse_phi3_rope(raw, where)
+    gemma = None
+    if gemma_arch:
+        gemma, sliding_window = _parse_gemma3(raw, get, where)
+        raw = _gemma3_global_rope(raw)
 
     rope_theta, rope_scaling = parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
@@ -252,7 +277,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=get("max_position_embeddings", int, _DEFAULT_MAX_POSITIONS.get(arch, 2048)),
-        tie_word_embeddings=get("tie_word_embeddings", bool, False),
+        tie_word_embeddings=get("tie_word_embeddings", bool, gemma_arch),
         attention_bias=arch == "Qwen2ForCausalLM" or get("attention_bias", bool, False),
         torch_dtype=dtype,
         bos_token_id=bos,
@@ -260,7 +285,46 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         sliding_window=sliding_window,
         quantization=parse_quantization(raw.get("quantization_config"), where),
         moe=_parse_moe(arch, get, num_layers, where),
+        gemma=gemma,
     )
+
+
+def _gemma3_global_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """raw with its global layers' RoPE where `parse_rope` reads it (transformers 5 keeps one
+    rope_parameters dict per layer type; the classic form has it at the top level already)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return {**raw, "rope_parameters": {"rope_theta": 1_000_000.0, **(params["full_attention"] or {})}}
+    return {"rope_theta": 1_000_000.0, **raw}
+
+
+def _parse_gemma3(raw: dict[str, Any], get: Any, where: Path | str) -> tuple[GemmaConfig, int | None]:
+    """Gemma 3's keys with the defaults of transformers' Gemma3TextConfig: (GemmaConfig, window)."""
+    if get("use_bidirectional_attention", bool, False):
+        raise ModelError(f"{where}: use_bidirectional_attention=true is not supported")
+    num_layers = get("num_hidden_layers", int)
+    types = get("layer_types", list, None)
+    if types is None:
+        pattern = get("sliding_window_pattern", int, 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ModelError(f"{where}: layer_types must name sliding_attention or full_attention for each of "
+                         f"{num_layers} layers")
+    window = get("sliding_window", int, 4096)
+    if window is not None and window <= 0:
+        raise ModelError(f"{where}: 'sliding_window' must be positive, got {window}")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        local_raw = {**raw, "rope_parameters": {"rope_theta": 10_000.0, **(params["sliding_attention"] or {})}}
+    else:
+        local_raw = {"rope_theta": get("rope_local_base_freq", (int, float), 10_000.0)}
+    local_theta, local_scaling = parse_rope(local_raw, where)
+    cap = get("final_logit_softcapping", (int, float), None)
+    gemma = GemmaConfig(query_pre_attn_scalar=float(get("query_pre_attn_scalar", (int, float), 256)),
+                        sliding_layers=[i for i, t in enumerate(types) if t == "sliding_attention"] if window else [],
+                        local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+                        final_logit_softcapping=float(cap) if cap else None)
+    return gemma, window
 
 
 def _parse_moe(arch: str, get: Any, num_layers: int, where: Path | str) -> MoeConfig | None:
@@ -343,7 +407,7 @@ def config_digest(config: ModelConfig) -> str:
     before MoE models and FP8 checkpoints were read.
     """
     doc = msgspec.to_builtins(config)
-    for optional in ("moe", "quantization"):
+    for optional in ("moe", "quantization", "gemma"):
         if doc[optional] is None:
             del doc[optional]
     return hashlib.sha256(msgspec.json.encode(doc, order="sorted")).hexdigest()

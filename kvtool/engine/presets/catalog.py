@@ -158,6 +158,40 @@ _MISTRAL = TokenizerSpec(
 )
 
 
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+_GEMMA3 = TokenizerSpec(
+    special_tokens={"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106},
+    bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", add_bos=True, byte_offset=256,
+    chat_template=GEMMA_TEMPLATE,
+)
+_GEMMA3_SMALL = TokenizerSpec(
+    special_tokens={"<pad>": 256, "<eos>": 257, "<bos>": 258, "<start_of_turn>": 259, "<end_of_turn>": 260},
+    bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", add_bos=True, chat_template=GEMMA_TEMPLATE,
+)
+
+
+def _gemma3_config(**sizes: Any) -> dict[str, Any]:
+    """Gemma-3-4b-it's text config (transformers' Gemma3TextConfig keys), sizes overridable."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2560, "initializer_range": 0.02, "intermediate_size": 10240, "max_position_embeddings": 131072,
+        "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4, "pad_token_id": 0,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rope_theta": 1000000.0, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 262208, **sizes,
+    }
+
+
 def _qwen2_config(**sizes: Any) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
@@ -378,6 +412,25 @@ PRESETS: dict[str, Preset] = {
         hf_config=_phi3_config(),
         generation_config={"bos_token_id": 1, "eos_token_id": [32000, 32001, 32007], "pad_token_id": 32000},
         tokenizer=_PHI3,
+    ),
+    "tiny-gemma3": Preset(
+        name="tiny-gemma3",
+        description="Gemma 3 architecture (local layers with a 64-token window, 1 global in 3) at the tiny preset's scale",
+        hf_config=_gemma3_config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, query_pre_attn_scalar=64, sliding_window=64, sliding_window_pattern=3,
+            max_position_embeddings=4096, vocab_size=512, bos_token_id=258, eos_token_id=[257, 260], pad_token_id=256,
+            torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 258, "eos_token_id": [257, 260], "pad_token_id": 256},
+        tokenizer=_GEMMA3_SMALL,
+    ),
+    "gemma-3-4b": Preset(
+        name="gemma-3-4b",
+        description="Gemma-3-4b-it's text config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_gemma3_config(),
+        generation_config={"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0},
+        tokenizer=_GEMMA3,
     ),
     "phi-3-tiny": Preset(
         name="phi-3-tiny",

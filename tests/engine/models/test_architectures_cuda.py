@@ -182,3 +182,15 @@ def test_a_window_that_binds_is_refused_on_cuda_in_one_line(tmp_path):
         assert len(engine.generate([tokens(100, 1)], SP)[0].output_token_ids) == 8
     finally:
         engine.close()
+
+
+def test_gemma3_is_refused_on_cuda_in_one_line(tmp_path):
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.errors import ConfigError
+    from kvtool.engine.params import EngineParams
+    from kvtool.engine.presets.catalog import create_model_dir
+
+    create_model_dir(tmp_path / "g", preset="tiny-gemma3", config_only=True)
+    with pytest.raises(ConfigError) as e:
+        LLMEngine(EngineParams(model=str(tmp_path / "g"), device="cuda", load_format="dummy", max_model_len=64))
+    assert "\n" not in str(e.value) and "Gemma3ForCausalLM runs on --device cpu only" in str(e.value)

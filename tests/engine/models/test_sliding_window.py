@@ -1,6 +1,6 @@
-"""Sliding-window attention on CPU: Mistral, Mixtral and Phi-3 configs whose window binds (24 to
-40 positions, against prompts of 57 to 73 tokens and 64 generated), through the whole engine,
-float32, against transformers (which applies the same window).
+"""Sliding-window attention on CPU: Mistral, Mixtral, Phi-3 and Gemma 3 (local layers only) configs
+whose window binds (24 to 40 positions, against prompts of 57 to 73 tokens and 64 generated),
+through the whole engine, float32, against transformers (which applies the same window).
 
 For each: three prompts sharing a 48-token prefix, 64 greedy tokens each, equal transformers'
 greedy generation with chunked prefill (32 tokens a step); the prompts again hit the prefix cache
@@ -22,7 +22,7 @@ from tests.support.architecture_checks import (
     offload_reuse_in_a_new_engine_equals_no_reuse,
 )
 
-WINDOWS = {"tiny-mistral": 40, "tiny-mixtral": 32, "phi-3-tiny": 24}
+WINDOWS = {"tiny-mistral": 40, "tiny-mixtral": 32, "phi-3-tiny": 24, "tiny-gemma3": 32}
 
 
 @pytest.fixture(scope="module", params=sorted(WINDOWS))

@@ -1,0 +1,138 @@
+"""Gemma3ForCausalLM (Gemma 3 text models): Llama's projections with Gemma's own pieces, as
+transformers' Gemma3 text model computes them:
+
+* RMSNorm scaling by (1 + weight), all in float32 before the cast (Llama casts, then scales);
+  four per layer (before and after attention, before and after the MLP) and one per head of q
+  and k before RoPE;
+* the embedding multiplied by sqrt(hidden_size), rounded to the weights' dtype first;
+* a GeGLU MLP (gelu with the tanh approximation);
+* attention scaled by query_pre_attn_scalar ** -0.5; local layers (config.gemma.sliding_layers,
+  five in six in the public models) attend within config.sliding_window and rotate with their
+  own RoPE (rope_local_base_freq, 10000), the global ones with rope_theta and its scaling;
+* the logits soft-capped when final_logit_softcapping is set (Gemma 3 leaves it unset).
+
+The model runs these modules' own forwards (`CausalLM.fused_forwards` off): the fused kernels
+are written for Llama's norms and SiLU MLP. It runs on CPU; the engine refuses it on CUDA, where
+without those kernels neither CUDA graphs nor batch invariance would hold. The local layers' keys
+all stay in the KV pages; the attention masks those outside the window.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtool.engine.kernels.attention import ROW_MULTIPLE, attend
+from kvtool.engine.models.layers import CausalLM, Embedding, GatedMLP, RotaryEmbedding, apply_rotary, pad_rows_on_cpu
+from kvtool.engine.models.llama import LlamaAttention
+from kvtool.engine.models.model_dir import ModelConfig
+from kvtool.engine.models.parallel import VocabParallelEmbedding
+from kvtool.engine.models.shard_layout import TPRank
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + weight), in float32, then cast to x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(LlamaAttention):
+    """q/k normalised per head (Gemma's norm), then rotated; the local layers' window."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPRank = TPRank()) -> None:
+        super().__init__(config, layer_idx, tp)
+        gemma = config.gemma
+        self.scale = gemma.query_pre_attn_scalar**-0.5
+        self.local = layer_idx in gemma.sliding_layers
+        self.sliding_window = config.sliding_window if self.local else None
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window))
+
+
+class GegluMLP(GatedMLP):
+    """gelu(gate, tanh approximation) * up, then down (GatedMLP's layout and sharding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: Gemma3Attention, tp: TPRank) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = attention
+        self.mlp = GegluMLP(config.hidden_size, config.intermediate_size, tp)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, layers, final norm; a RoPE for the global layers and one for the local."""
+
+    def __init__(self, config: ModelConfig, attention_cls: type[Gemma3Attention], tp: TPRank = TPRank(),
+                 moe_cls: type[nn.Module] | None = None) -> None:
+        super().__init__()
+        if tp.size == 1:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        local = msgspec.structs.replace(config, rope_theta=config.gemma.local_rope_theta,
+                                        rope_scaling=config.gemma.local_rope_scaling)
+        self.local_rotary_emb = RotaryEmbedding(local)
+        self.embed_scale = config.hidden_size**0.5
+        self.few_rows_multiple = ROW_MULTIPLE  # the runner and `compute_logits` read it
+        self.fast_forward = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, hidden], or with `rows`
+        ([S] long) those rows only, [S, hidden]."""
+        n = input_ids.shape[0]
+        input_ids, positions = pad_rows_on_cpu(input_ids, self.few_rows_multiple), pad_rows_on_cpu(positions, self.few_rows_multiple)
+        h = self.embed_tokens(input_ids)
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        rope = {False: self.rotary_emb(positions, h.dtype), True: self.local_rotary_emb(positions, h.dtype)}
+        for layer in self.layers:
+            h = layer(h, *rope[layer.self_attn.local])
+        h = self.norm(h[:n])
+        return h if rows is None else h.index_select(0, rows)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    attention_cls = Gemma3Attention
+    decoder_cls = Gemma3Model
+    fused_forwards = False
+
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True, row_invariant: bool = False) -> torch.Tensor:
+        logits = super().compute_logits(hidden, as_float, row_invariant)
+        cap = self.config.gemma.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
