@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from kvtool.engine.errors import ConfigError, ModelError
-from kvtool.engine.models.gemma3 import Gemma3ForCausalLM
+from kvtool.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
 from kvtool.engine.models.mistral import MistralForCausalLM
@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

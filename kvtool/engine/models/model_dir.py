@@ -31,9 +31,9 @@ from kvtool.engine.models.quantization import WeightQuantization, parse_quantiza
 from kvtool.engine.models.rope import parse_rope
 from kvtool.engine.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+SUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
                            "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+_ARCHITECTURE_BY_MODEL_TYPE = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                                "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Models with recurrent layers (Mamba, Gated DeltaNet, short convolutions, linear attention), whose
@@ -50,7 +50,7 @@ _RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "recurr
 # max_position_embeddings when config.json leaves it out: the transformers config class's default.
 _DEFAULT_MAX_POSITIONS = {"Qwen3ForCausalLM": 32768, "Qwen2ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
                           "MistralForCausalLM": 4096 * 32, "MixtralForCausalLM": 4096 * 32,
-                          "Gemma3ForCausalLM": 131072}
+                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131072}
 # The RoPE types Phi-3 runs with: its long-context configs (Phi-3-mini-128k, Phi-3.5-mini) name longrope.
 _PHI3_ROPE_TYPES = ("default", "longrope")
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,18 +71,24 @@ class MoeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GemmaConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What a Gemma 3 text config adds to a dense decoder's (transformers' Gemma3TextConfig)."""
+    """What a Gemma 2 or Gemma 3 text config adds to a dense decoder's (transformers' Gemma2Config
+    and Gemma3TextConfig)."""
 
     # Attention scale: query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5).
     query_pre_attn_scalar: float
     # The layers of local (sliding-window) attention, from layer_types or sliding_window_pattern;
     # the others attend globally.
     sliding_layers: list[int]
-    # The local layers' RoPE (the global layers' is the config's rope_theta / rope_scaling).
+    # The local layers' RoPE (the global layers' is the config's rope_theta / rope_scaling; Gemma 2
+    # rotates both kinds alike).
     local_rope_theta: float
     local_rope_scaling: dict[str, Any] | None
-    # logits = tanh(logits / cap) * cap after the LM head; None: none.
+    # logits = tanh(logits / cap) * cap after the LM head; None: none (Gemma 2: 30).
     final_logit_softcapping: float | None = None
+    # Attention scores soft-capped the same way before the mask (Gemma 2: 50); None: none.
+    attn_logit_softcapping: float | None = None
+    # An RMSNorm over each head of q and k before RoPE (Gemma 3).
+    qk_norm: bool = True
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,7 +127,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: WeightQuantization | None = None
     # Mixtral and Qwen3-MoE; None for a dense model.
     moe: MoeConfig | None = None
-    # Gemma 3 (its sliding_window then covers gemma.sliding_layers only); None for the others.
+    # Gemma 2 and 3 (their sliding_window covers gemma.sliding_layers only); None for the others.
     gemma: GemmaConfig | None = None
 
 
@@ -206,7 +212,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     num_kv_heads = get("num_key_value_heads", int, None) or num_heads
     # Llama derives head_dim from the hidden size; Qwen3's config class defaults it to 128.
     # (Qwen3-MoE's has no default: hidden_size / num_heads, as Llama's.)
-    default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}.get(arch, hidden // max(num_heads, 1))
+    default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256, "Gemma3ForCausalLM": 256}.get(
+        arch, hidden // max(num_heads, 1))
     head_dim = get("head_dim", int, None) or default_head_dim
     for key, value in (("hidden_size", hidden), ("num_attention_heads", num_heads),
                        ("num_key_value_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -216,7 +223,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         raise ModelError(f"{where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
     if head_dim % 2:
         raise ModelError(f"{where}: head_dim={head_dim} must be even for rotary embeddings")
-    gemma_arch = arch == "Gemma3ForCausalLM"
+    gemma_arch = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     activation = raw.get("hidden_activation") or raw.get("hidden_act") if gemma_arch else get("hidden_act", str, "silu")
     if activation != ("gelu_pytorch_tanh" if gemma_arch else "silu"):
         raise ModelError(f"{where}: unsupported hidden activation {activation!r} for {arch} "
@@ -233,7 +240,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         mistral_window = get("sliding_window", int, None)
     qwen_window = get("sliding_window", int, None) if get("use_sliding_window", bool, False) else None
     layer_types = get("layer_types", list, None) or []
-    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM")
+    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
     if qwen_window is not None or (not windowed and any(t != "full_attention" for t in layer_types)):
         raise ModelError(f"{where}: sliding-window attention is not supported")
     if mistral_window is not None and mistral_window <= 0:
@@ -246,8 +253,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
         _refuse_phi3_rope(raw, where)
     gemma = None
     if gemma_arch:
-        gemma, sliding_window = _parse_gemma3(raw, get, where)
-        raw = _gemma3_global_rope(raw)
+        gemma, sliding_window = _parse_gemma(arch, raw, get, where)
+        raw = _gemma_global_rope(arch, raw)
 
     rope_theta, rope_scaling = parse_rope(raw, where)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
@@ -289,23 +296,28 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None, 
     )
 
 
-def _gemma3_global_rope(raw: dict[str, Any]) -> dict[str, Any]:
-    """raw with its global layers' RoPE where `parse_rope` reads it (transformers 5 keeps one
-    rope_parameters dict per layer type; the classic form has it at the top level already)."""
+def _gemma_global_rope(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """raw with its global layers' RoPE where `parse_rope` reads it (Gemma 3 in transformers 5
+    keeps one rope_parameters dict per layer type; the classic form has it at the top level, and
+    Gemma 2 has one RoPE, default theta 10000, as `parse_rope` reads any model's)."""
+    if arch == "Gemma2ForCausalLM":
+        return raw
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         return {**raw, "rope_parameters": {"rope_theta": 1_000_000.0, **(params["full_attention"] or {})}}
     return {"rope_theta": 1_000_000.0, **raw}
 
 
-def _parse_gemma3(raw: dict[str, Any], get: Any, where: Path | str) -> tuple[GemmaConfig, int | None]:
-    """Gemma 3's keys with the defaults of transformers' Gemma3TextConfig: (GemmaConfig, window)."""
+def _parse_gemma(arch: str, raw: dict[str, Any], get: Any, where: Path | str) -> tuple[GemmaConfig, int | None]:
+    """Gemma 2's or 3's keys with the defaults of transformers' Gemma2Config / Gemma3TextConfig:
+    (GemmaConfig, window)."""
+    gemma2 = arch == "Gemma2ForCausalLM"
     if get("use_bidirectional_attention", bool, False):
         raise ModelError(f"{where}: use_bidirectional_attention=true is not supported")
     num_layers = get("num_hidden_layers", int)
     types = get("layer_types", list, None)
     if types is None:
-        pattern = get("sliding_window_pattern", int, 6)
+        pattern = 2 if gemma2 else get("sliding_window_pattern", int, 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ModelError(f"{where}: layer_types must name sliding_attention or full_attention for each of "
@@ -314,16 +326,21 @@ def _parse_gemma3(raw: dict[str, Any], get: Any, where: Path | str) -> tuple[Gem
     if window is not None and window <= 0:
         raise ModelError(f"{where}: 'sliding_window' must be positive, got {window}")
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "sliding_attention" in params:
+    if gemma2:
+        local_raw = raw
+    elif isinstance(params, dict) and "sliding_attention" in params:
         local_raw = {**raw, "rope_parameters": {"rope_theta": 10_000.0, **(params["sliding_attention"] or {})}}
     else:
         local_raw = {"rope_theta": get("rope_local_base_freq", (int, float), 10_000.0)}
     local_theta, local_scaling = parse_rope(local_raw, where)
-    cap = get("final_logit_softcapping", (int, float), None)
+    final_cap = get("final_logit_softcapping", (int, float), 30.0 if gemma2 else None)
+    # transformers' Gemma 3 attention reads no attn_logit_softcapping (its configs carry null).
+    attn_cap = get("attn_logit_softcapping", (int, float), 50.0) if gemma2 else None
     gemma = GemmaConfig(query_pre_attn_scalar=float(get("query_pre_attn_scalar", (int, float), 256)),
                         sliding_layers=[i for i, t in enumerate(types) if t == "sliding_attention"] if window else [],
                         local_rope_theta=local_theta, local_rope_scaling=local_scaling,
-                        final_logit_softcapping=float(cap) if cap else None)
+                        final_logit_softcapping=float(final_cap) if final_cap else None,
+                        attn_logit_softcapping=float(attn_cap) if attn_cap else None, qk_norm=not gemma2)
     return gemma, window
 
 

@@ -171,6 +171,11 @@ _GEMMA3 = TokenizerSpec(
     bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", add_bos=True, byte_offset=256,
     chat_template=GEMMA_TEMPLATE,
 )
+_GEMMA2 = TokenizerSpec(
+    special_tokens={"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 106, "<end_of_turn>": 107},
+    bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", add_bos=True, byte_offset=256,
+    chat_template=GEMMA_TEMPLATE,
+)
 _GEMMA3_SMALL = TokenizerSpec(
     special_tokens={"<pad>": 256, "<eos>": 257, "<bos>": 258, "<start_of_turn>": 259, "<end_of_turn>": 260},
     bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", add_bos=True, chat_template=GEMMA_TEMPLATE,
@@ -189,6 +194,19 @@ def _gemma3_config(**sizes: Any) -> dict[str, Any]:
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rope_theta": 1000000.0, "sliding_window": 1024,
         "sliding_window_pattern": 6, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
         "vocab_size": 262208, **sizes,
+    }
+
+
+def _gemma2_config(**sizes: Any) -> dict[str, Any]:
+    """Gemma-2-9b-it's config (transformers' Gemma2Config keys), sizes overridable."""
+    return {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": [1, 107],
+        "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+        "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 256000, **sizes,
     }
 
 
@@ -424,6 +442,24 @@ PRESETS: dict[str, Preset] = {
         ),
         generation_config={"bos_token_id": 258, "eos_token_id": [257, 260], "pad_token_id": 256},
         tokenizer=_GEMMA3_SMALL,
+    ),
+    "tiny-gemma2": Preset(
+        name="tiny-gemma2",
+        description="Gemma 2 architecture (local and global layers alternating, soft caps) at the tiny preset's scale",
+        hf_config=_gemma2_config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, query_pre_attn_scalar=64, sliding_window=64, max_position_embeddings=4096, vocab_size=512,
+            bos_token_id=258, eos_token_id=[257, 260], pad_token_id=256, torch_dtype="float32",
+        ),
+        generation_config={"bos_token_id": 258, "eos_token_id": [257, 260], "pad_token_id": 256},
+        tokenizer=_GEMMA3_SMALL,
+    ),
+    "gemma-2-9b": Preset(
+        name="gemma-2-9b",
+        description="Gemma-2-9b-it's config, random weights (use --config-only and --load-format dummy)",
+        hf_config=_gemma2_config(),
+        generation_config={"bos_token_id": 2, "eos_token_id": [1, 107], "pad_token_id": 0},
+        tokenizer=_GEMMA2,
     ),
     "gemma-3-4b": Preset(
         name="gemma-3-4b",

@@ -59,7 +59,7 @@ def check_against_hf(model_dir, prompt: list[int], products: str) -> None:
     assert ref[len(prompt) - 1 : -1].argmax(dim=-1).tolist() == generated
 
 
-MODEL_TYPES = {"Gemma3ForCausalLM": "gemma3_text", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+MODEL_TYPES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
                "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -133,6 +133,16 @@ def gemma3_config(*, form: str = "classic", **extra) -> dict:
     return {**cfg, **extra}
 
 
+def gemma2_config(**extra) -> dict:
+    """A small Gemma2ForCausalLM config.json (4 layers alternating local and global, a 24-token
+    window, head_dim 32, tied), its attention and final logits soft-capped (small caps that bind)."""
+    cfg = config("Gemma2ForCausalLM", heads=4, kv_heads=2, tied=True, head_dim=32)
+    del cfg["hidden_act"]
+    cfg.update(num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+               sliding_window=24, attn_logit_softcapping=3.0, final_logit_softcapping=4.0, pad_token_id=0)
+    return {**cfg, **extra}
+
+
 RANDOM_CONFIGS = {
     # head_dim 32 while hidden / heads is 16: Qwen3's own head_dim; q/k/v/o biases.
     "qwen3-gqa1-tied-bias": config("Qwen3ForCausalLM", heads=4, kv_heads=4, tied=True, head_dim=32, bias=True),
@@ -170,6 +180,11 @@ RANDOM_CONFIGS = {
     # Gemma 3: (1 + w) norms around attention and MLP, q/k norms, a scaled embedding, GeGLU,
     # local and global layers with their own RoPE; the second with a final logit soft cap.
     "gemma3-local-global": gemma3_config(),
+    "gemma2-softcaps": gemma2_config(),
+    "gemma2-gqa1-defaults-v5": {**{k: v for k, v in gemma2_config().items()
+                                   if k not in ("attn_logit_softcapping", "final_logit_softcapping", "rope_theta",
+                                                "rope_scaling", "torch_dtype")},
+                                "num_key_value_heads": 4, "dtype": "float32"},
     "gemma3-pattern3-softcap-v5": {**{k: v for k, v in gemma3_config(form="v5").items() if k != "layer_types"},
                                    "num_hidden_layers": 6, "sliding_window_pattern": 3, "final_logit_softcapping": 5.0},
 }

@@ -1,4 +1,5 @@
-"""Sliding-window attention on CPU: Mistral, Mixtral, Phi-3 and Gemma 3 (local layers only) configs
+"""Sliding-window attention on CPU: Mistral, Mixtral, Phi-3, Gemma 2 (soft caps too) and Gemma 3 (local
+layers only) configs
 whose window binds (24 to 40 positions, against prompts of 57 to 73 tokens and 64 generated),
 through the whole engine, float32, against transformers (which applies the same window).
 
@@ -22,7 +23,7 @@ from tests.support.architecture_checks import (
     offload_reuse_in_a_new_engine_equals_no_reuse,
 )
 
-WINDOWS = {"tiny-mistral": 40, "tiny-mixtral": 32, "phi-3-tiny": 24, "tiny-gemma3": 32}
+WINDOWS = {"tiny-mistral": 40, "tiny-mixtral": 32, "phi-3-tiny": 24, "tiny-gemma3": 32, "tiny-gemma2": 24}
 
 
 @pytest.fixture(scope="module", params=sorted(WINDOWS))

@@ -11,7 +11,7 @@ preset (q/k/v biases, none on o_proj), on the tiny-mixtral and tiny-qwen3-moe pr
 expert's gate/up rows and down columns sharded, the router replicated), on phi-3-tiny (q/k/v and
 gate/up stored fused, split as they load, then sharded; 96-wide heads) and on the saved tiny-fp8
 checkpoint (block-wise FP8, each rank dequantising its rows, KV rows that start inside a 128-row
-scale block), and on tiny-gemma3 (Gemma's norms replicated, local and global layers): the
+scale block), and on tiny-gemma3 and tiny-gemma2 (Gemma's norms replicated, local and global layers, soft caps): the
 greedy tokens equal one
 process's, the gathered logits are within float32 rounding of one process's and bit-identical on
 both ranks, and every parameter of a shard is exactly the rank's slice (rows or columns written
@@ -44,7 +44,7 @@ BLOCK_SIZE = 16
 DECODE_STEPS = 4
 TINY_PROMPTS = [[(5 * j + 3) % 250 + 1 for j in range(21)], [(11 * j) % 240 + 2 for j in range(40)]]
 PROMPTS = {"tiny": TINY_PROMPTS, "uneven": TINY_PROMPTS, "qwen2": TINY_PROMPTS, "mixtral": TINY_PROMPTS,
-           "qwen3moe": TINY_PROMPTS, "phi3": TINY_PROMPTS, "fp8": TINY_PROMPTS, "gemma3": TINY_PROMPTS,
+           "qwen3moe": TINY_PROMPTS, "phi3": TINY_PROMPTS, "fp8": TINY_PROMPTS, "gemma3": TINY_PROMPTS, "gemma2": TINY_PROMPTS,
            "default": [[504, 3458, 314, 260, 3575, 282, 4649, 47], [19556, 28, 1834, 359, 346, 44, 2492, 30, 1076]]}
 # Per rank: (first, count) of its query heads, KV heads, MLP rows and vocabulary rows.
 SPLITS = {
@@ -58,6 +58,7 @@ SPLITS = {
     "phi3": [((0, 1), (0, 1), (0, 256), (0, 256)), ((1, 1), (1, 1), (256, 256), (256, 256))],
     "fp8": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
     "gemma3": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
+    "gemma2": [((0, 2), (0, 1), (0, 384), (0, 256)), ((2, 2), (1, 1), (384, 384), (256, 256))],
 }
 # Per rank: (first, count) of a Qwen3-MoE dense layer's MLP rows (intermediate_size 512).
 DENSE_ROWS = {"qwen3moe": [(0, 256), (256, 256)]}
@@ -67,10 +68,10 @@ UNEVEN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
               attention_bias=True, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
 LOAD_FORMAT = {"tiny": "dummy", "default": "auto", "uneven": "dummy", "qwen2": "dummy", "mixtral": "dummy",
-               "qwen3moe": "dummy", "phi3": "auto", "fp8": "auto", "gemma3": "auto"}
+               "qwen3moe": "dummy", "phi3": "auto", "fp8": "auto", "gemma3": "auto", "gemma2": "auto"}
 MOE_PRESETS = {"mixtral": "tiny-mixtral", "qwen3moe": "tiny-qwen3-moe"}
 # Cases read from a saved preset directory (random weights written by `create_model_dir`).
-SAVED_PRESETS = {"phi3": "phi-3-tiny", "fp8": "tiny-fp8", "gemma3": "tiny-gemma3"}
+SAVED_PRESETS = {"phi3": "phi-3-tiny", "fp8": "tiny-fp8", "gemma3": "tiny-gemma3", "gemma2": "tiny-gemma2"}
 JOIN_TIMEOUT_S = 600
 
 

@@ -20,8 +20,10 @@ nothing.
 
 A layer of a sliding-window model passes `window` W: each query row at position p sees the keys
 at positions (p - W, p] only (transformers' and vLLM's reading of `sliding_window`). The CPU
-paths apply it as a mask over the keys they read, which stay in the pages; the CUDA kernels do
-not take a window yet, and the engine refuses such a model on CUDA before it builds one.
+paths apply it as a mask over the keys they read, which stay in the pages. A layer may also
+pass `softcap` c (Gemma 2): its scores become tanh(s / c) * c before the mask and the softmax.
+The CUDA kernels take neither yet, and the engine refuses such a model on CUDA before it builds
+one.
 """
 
 from __future__ import annotations
@@ -76,33 +78,33 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> B
     return "cuda"
 
 
-def _no_cuda_window(window: int | None) -> None:
-    if window is not None:
-        raise NotImplementedError("the CUDA attention kernels take no sliding window yet")
+def _no_cuda_window(window: int | None, softcap: float | None) -> None:
+    if window is not None or softcap is not None:
+        raise NotImplementedError("the CUDA attention kernels take no sliding window or soft cap yet")
 
 
 def attend(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Store k/v of the new tokens, attend, return [T, Hq * D].
 
     `kv_stored`: the caller already wrote k/v into the pages at the step's slots (the CUDA rope
     kernel does), after calling the layer's `before_layer` hook itself. `window`: the layer's
-    sliding window (None: full attention)."""
+    sliding window (None: full attention); `softcap`: its score cap (None: none)."""
     meta = current_metadata()
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
-        _no_cuda_window(window)
+        _no_cuda_window(window, softcap)
         out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
         if q.device.type == "cpu" and meta.kv_pages.tensor.dtype == q.dtype:
-            out = cpu_flash_attention(meta, layer, q, k, v, scale, window)
+            out = cpu_flash_attention(meta, layer, q, k, v, scale, window, softcap)
         else:
-            out = paged_attention_reference(meta, layer, q, scale, window)
+            out = paged_attention_reference(meta, layer, q, scale, window, softcap)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], -1)
@@ -110,7 +112,7 @@ def attend(
 
 def attend_rows(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor,
-    kv_stored: bool = False, window: int | None = None,
+    kv_stored: bool = False, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """`attend` with only the query rows `rows` ([S] long) wanted: stores every new token's k/v
     (unless `kv_stored`, as for `attend`), attends for `rows` alone. On CPU (float32 pages)
@@ -123,12 +125,12 @@ def attend_rows(
     if db is not None:
         if db.sampled is None:
             raise RuntimeError("attend_rows on CUDA needs the step's batch of its sampled rows")
-        _no_cuda_window(window)
+        _no_cuda_window(window, softcap)
         out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
-        out = cpu_flash_rows(meta, layer, q, rows, scale, window)
+        out = cpu_flash_rows(meta, layer, q, rows, scale, window, softcap)
     if meta.hooks is not None:
         meta.hooks.after_layer(layer)
     return out.reshape(out.shape[0], q.shape[1] * q.shape[2])

@@ -31,7 +31,10 @@ as its rows.
 
 A sliding-window layer (`window` W) reads the same keys and adds the window to the mask: keys at
 or before p - W are masked for the row at p. The mask still depends on the row's position alone,
-so the rows keep their bits wherever they are computed.
+so the rows keep their bits wherever they are computed. A soft-capped layer (`softcap`, Gemma 2)
+cannot use the flash kernel: it runs the same tiles through BLAS products, the cap, the mask and
+a float32 softmax (transformers' eager order), its decode rows padded to ROW_MULTIPLE like the
+prefill tiles, so a row's products see the same row counts either way.
 """
 
 from __future__ import annotations
@@ -243,19 +246,25 @@ def _decode_groups(by_length: dict[int, list[SeqSpan]], g, dev: torch.device, dt
     return decodes
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    if softcap is not None:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + mask
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return out
 
 
 def cpu_flash_attention(
     meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries q [T, Hq, D] (T may exceed the step's tokens: rows past
     them are padding and come back zero) over each sequence's keys: the pages for what came
     before this step, k and v [T, Hkv, D] for the new tokens. The new tokens' K/V must already be
-    in the pages. `window`: the layer's sliding window, or None. Returns [T, Hq, D]."""
+    in the pages. `window`: the layer's sliding window, or None; `softcap`: its score cap, or
+    None. Returns [T, Hq, D]."""
     plan = meta.extra.get(_PLAN_KEY)
     if plan is None:
         plan = meta.extra[_PLAN_KEY] = _plan(meta, q)
@@ -287,14 +296,14 @@ def cpu_flash_attention(
             q4 = rows.view(tile.num_padded, hkv, group, d).permute(2, 1, 0, 3)
             k4 = keys[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
             v4 = values[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
-            o = _flash(q4, k4, v4, _windowed(tile.mask, tile.positions, window, tile.windowed), scale)  # [G, Hkv, R, D]
+            o = _flash(q4, k4, v4, _windowed(tile.mask, tile.positions, window, tile.windowed), scale, softcap)  # [G, Hkv, R, D]
             out[lo : lo + tile.num_rows] = o[:, :, : tile.num_rows].permute(2, 1, 0, 3).reshape(tile.num_rows, hq, d)
-    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale, window)
+    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale, window, softcap)
     return out
 
 
 def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: torch.Tensor, q: torch.Tensor,
-                 out: torch.Tensor, scale: float, window: int | None) -> None:
+                 out: torch.Tensor, scale: float, window: int | None, softcap: float | None = None) -> None:
     hkv, d = k_pages.shape[2], k_pages.shape[3]
     hq = q.shape[1]
     group = hq // hkv
@@ -308,12 +317,16 @@ def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: tor
         g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
         g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
         k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
-        o = _flash(g.queries, k4, v4, _windowed(g.mask, g.positions, window, g.windowed), scale)  # [B, Hkv, Gp, D]
+        queries = g.queries
+        if softcap is not None and queries.shape[2] % ROW_MULTIPLE:  # the prefill tiles' row counts
+            pad = _round_up(queries.shape[2], ROW_MULTIPLE) - queries.shape[2]
+            queries = torch.cat([queries, queries.new_zeros((b, hkv, pad, d))], dim=2)
+        o = _flash(queries, k4, v4, _windowed(g.mask, g.positions, window, g.windowed), scale, softcap)  # [B, Hkv, Gp, D]
         out.index_copy_(0, g.out_rows, o[:, :, :group].reshape(b, hq, d))
 
 
 def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of the query rows `rows` ([S] long, rows of q [T, Hq, D]) only, each as a decode
     row at its position (the bits it has in any prefill tile, `_plan`'s invariant). The step's
     K/V must already be in the pages. Returns [S rounded up to ROW_MULTIPLE, Hq, D], zero past S."""
@@ -331,5 +344,5 @@ def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: t
     groups = _decode_groups(by_length, g, q.device, q.dtype, q.shape[1] // g.num_kv_heads, out_rows)
     pages = meta.kv_pages.tensor
     out = q.new_zeros((_round_up(rows.numel(), ROW_MULTIPLE), *q.shape[1:]))
-    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale, window)
+    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale, window, softcap)
     return out

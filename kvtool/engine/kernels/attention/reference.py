@@ -9,13 +9,15 @@ from kvtool.engine.kernels.attention.context import AttentionMetadata
 
 
 def paged_attention_reference(
-    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float, window: int | None = None
+    meta: AttentionMetadata, layer: int, q: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries q [T, Hq, D] over each sequence's pages. Returns [T, Hq, D].
 
     The new tokens' K/V must already be in the pages. Causality is bottom-right aligned: query
     row i of a sequence sits at absolute position ctx_len - q_len + i. With `window` W a row at
-    position p sees the keys at (p - W, p] only.
+    position p sees the keys at (p - W, p] only; with `softcap` c the scores are tanh(s / c) * c
+    (computed as transformers' eager attention: products, cap, mask, float32 softmax).
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -26,7 +28,19 @@ def paged_attention_reference(
         v = v.transpose(0, 1).to(q.dtype)
         # Grouped-query attention inside SDPA, as transformers computes it (same rounding).
         gqa = num_heads != k.shape[0]
-        if window is not None and s.ctx_len > window:
+        if softcap is not None:
+            pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
+            pos_k = torch.arange(s.ctx_len, device=q.device)
+            allowed = pos_k[None, :] <= pos_q[:, None]
+            if window is not None:
+                allowed &= pos_k[None, :] > pos_q[:, None] - window
+            group = num_heads // k.shape[0]
+            scores = torch.matmul(qs, k.repeat_interleave(group, 0).transpose(1, 2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(p, v.repeat_interleave(group, 0))
+        elif window is not None and s.ctx_len > window:
             pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
             pos_k = torch.arange(s.ctx_len, device=q.device)
             mask = (pos_k[None, :] <= pos_q[:, None]) & (pos_k[None, :] > pos_q[:, None] - window)

@@ -20,7 +20,7 @@ from tests.support.peer_server import finish_client, run_lmcache_client
 
 pytestmark = pytest.mark.peer
 
-PRESETS = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe", "tiny-gemma3"]
+PRESETS = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe", "tiny-gemma3", "tiny-gemma2"]
 CHUNK = 16
 PROMPT = [(i * 37) % 240 + 5 for i in range(2 * CHUNK + 5)]
 

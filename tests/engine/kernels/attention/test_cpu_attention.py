@@ -37,7 +37,8 @@ class Sequence:
         self.blocks = torch.arange(first_block + n - 1, first_block - 1, -1)
 
 
-def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]], window: int | None = None) -> list[torch.Tensor]:
+def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]], window: int | None = None,
+          softcap: float | None = None) -> list[torch.Tensor]:
     """Compute positions [start, end) of each (sequence, start, end) in one step; their outputs."""
     seqs, qs, ks, vs, blocks, offsets, at = [], [], [], [], [], [], 0
     for s, start, end in parts:
@@ -48,7 +49,7 @@ def _step(pages: KVPages, parts: list[tuple[Sequence, int, int]], window: int | 
         at += end - start
     meta = AttentionMetadata(kv_pages=pages, seqs=seqs, slot_block_ids=torch.cat(blocks), slot_offsets=torch.cat(offsets))
     with attention_context(meta):
-        out = attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), SCALE, window=window)
+        out = attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), SCALE, window=window, softcap=softcap)
     return list(out.split([e - s for _, s, e in parts]))
 
 
@@ -102,24 +103,31 @@ def test_decode_rows_equal_prefill_rows_at_every_head_size(d, group):
         assert torch.equal(_step(pages, [(seq, p, p + 1)])[0], whole[p : p + 1]), p
 
 
-@pytest.mark.parametrize("window", [1, 24, 100, 700])
-def test_a_window_masks_the_keys_before_it_and_rows_keep_their_bits(window):
-    """A sliding-window layer: each row equals causal SDPA over its last `window` keys, and is the
-    same computed in one prefill, in chunks after a prefix, or as a decode step."""
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (24, None), (100, None), (700, None), (None, 0.5),
+                                               (100, 0.5)])
+def test_windows_and_soft_caps_and_rows_keep_their_bits(window, softcap):
+    """A sliding-window layer, a soft-capped one (Gemma 2), both: each row equals attention over
+    its last `window` keys with scores tanh(s / c) * c, and is the same computed in one prefill, in
+    chunks after a prefix, or as a decode step."""
     length = 600
     seq = Sequence(length, 0, seed=5)
-    whole = _step(_pages(100), [(seq, 0, length)], window)[0]
+    whole = _step(_pages(100), [(seq, 0, length)], window, softcap)[0]
     pos = torch.arange(length)
-    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        seq.q.transpose(0, 1), seq.k.transpose(0, 1).repeat_interleave(GROUP, 0),
-        seq.v.transpose(0, 1).repeat_interleave(GROUP, 0), attn_mask=mask, scale=SCALE).transpose(0, 1)
-    assert torch.allclose(whole.view(length, -1, D), ref, atol=1e-5)
+    mask = pos[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    q, k, v = (x.transpose(0, 1).double() for x in (seq.q, seq.k.repeat_interleave(GROUP, 1),
+                                                    seq.v.repeat_interleave(GROUP, 1)))
+    scores = q @ k.transpose(1, 2) * SCALE
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    ref = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    assert torch.allclose(whole.view(length, -1, D).double(), ref, atol=1e-5)
     pages = _pages(100)
-    chunks = [_step(pages, [(seq, a, b)], window)[0] for a, b in ((0, 200), (200, 517), (517, 518))]
+    chunks = [_step(pages, [(seq, a, b)], window, softcap)[0] for a, b in ((0, 200), (200, 517), (517, 518))]
     assert torch.equal(torch.cat(chunks), whole[:518])
     for p in range(518, 530):
-        assert torch.equal(_step(pages, [(seq, p, p + 1)], window)[0], whole[p : p + 1]), p
+        assert torch.equal(_step(pages, [(seq, p, p + 1)], window, softcap)[0], whole[p : p + 1]), p
 
 
 def test_tile_masks_are_kept_bounded_and_right():
@@ -133,3 +141,17 @@ def test_tile_masks_are_kept_bounded_and_right():
     for lo in range(0, 64 * (cpu_flash._MASK_CACHE_ENTRIES + 5), 64):
         cpu_flash._tile_mask(lo, lo + 64, 64, lo + 64, torch.float32, dev)
     assert len(cpu_flash._tile_masks) <= cpu_flash._MASK_CACHE_ENTRIES
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, None), (None, 0.5), (50, 0.5)])
+def test_the_reference_path_takes_windows_and_soft_caps_as_the_flash_path(window, softcap):
+    """The reference backend (gather, then SDPA or the eager products) on the same step."""
+    from kvtool.engine.kernels.attention.reference import paged_attention_reference
+
+    seq = Sequence(300, 0, seed=9)
+    pages = _pages(40)
+    flash = _step(pages, [(seq, 0, 300)], window, softcap)[0]
+    meta = AttentionMetadata(kv_pages=pages, seqs=[SeqSpan(q_start=0, q_len=300, ctx_len=300, block_ids=seq.blocks)],
+                             slot_block_ids=None, slot_offsets=None)
+    ref = paged_attention_reference(meta, 0, seq.q, SCALE, window, softcap)
+    assert torch.allclose(ref.reshape(flash.shape), flash, atol=1e-5)

@@ -1,15 +1,17 @@
-"""Gemma3ForCausalLM (Gemma 3 text models): Llama's projections with Gemma's own pieces, as
-transformers' Gemma3 text model computes them:
+"""Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3 text models): Llama's projections with Gemma's
+own pieces, as transformers' Gemma2 and Gemma3 text models compute them:
 
 * RMSNorm scaling by (1 + weight), all in float32 before the cast (Llama casts, then scales);
-  four per layer (before and after attention, before and after the MLP) and one per head of q
-  and k before RoPE;
+  four per layer (before and after attention, before and after the MLP) and, in Gemma 3, one
+  per head of q and k before RoPE;
 * the embedding multiplied by sqrt(hidden_size), rounded to the weights' dtype first;
 * a GeGLU MLP (gelu with the tanh approximation);
-* attention scaled by query_pre_attn_scalar ** -0.5; local layers (config.gemma.sliding_layers,
-  five in six in the public models) attend within config.sliding_window and rotate with their
-  own RoPE (rope_local_base_freq, 10000), the global ones with rope_theta and its scaling;
-* the logits soft-capped when final_logit_softcapping is set (Gemma 3 leaves it unset).
+* attention scaled by query_pre_attn_scalar ** -0.5; local layers (config.gemma.sliding_layers:
+  every other one in Gemma 2, five in six in Gemma 3) attend within config.sliding_window; in
+  Gemma 3 they rotate with their own RoPE (rope_local_base_freq, 10000), the global ones with
+  rope_theta and its scaling;
+* Gemma 2's attention scores soft-capped (tanh(s / 50) * 50) before the mask, and its logits
+  (tanh(l / 30) * 30); Gemma 3 leaves both unset.
 
 The model runs these modules' own forwards (`CausalLM.fused_forwards` off): the fused kernels
 are written for Llama's norms and SiLU MLP. It runs on CPU; the engine refuses it on CUDA, where
@@ -46,8 +48,9 @@ class GemmaRMSNorm(nn.Module):
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(LlamaAttention):
-    """q/k normalised per head (Gemma's norm), then rotated; the local layers' window."""
+class GemmaAttention(LlamaAttention):
+    """Gemma 3's q/k normalised per head (Gemma's norm), then rotated; the local layers' window;
+    Gemma 2's soft-capped scores."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPRank = TPRank()) -> None:
         super().__init__(config, layer_idx, tp)
@@ -55,16 +58,21 @@ class Gemma3Attention(LlamaAttention):
         self.scale = gemma.query_pre_attn_scalar**-0.5
         self.local = layer_idx in gemma.sliding_layers
         self.sliding_window = config.sliding_window if self.local else None
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.softcap = gemma.attn_logit_softcapping
+        if gemma.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if "q_norm" in self._modules:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window))
+        out = attend(self.layer_idx, q, k, v, self.scale, window=self.sliding_window, softcap=self.softcap)
+        return self.o_proj(out)
 
 
 class GegluMLP(GatedMLP):
@@ -74,8 +82,8 @@ class GegluMLP(GatedMLP):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: Gemma3Attention, tp: TPRank) -> None:
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: GemmaAttention, tp: TPRank) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = attention
@@ -90,10 +98,10 @@ class Gemma3DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3Model(nn.Module):
+class GemmaModel(nn.Module):
     """Scaled embedding, layers, final norm; a RoPE for the global layers and one for the local."""
 
-    def __init__(self, config: ModelConfig, attention_cls: type[Gemma3Attention], tp: TPRank = TPRank(),
+    def __init__(self, config: ModelConfig, attention_cls: type[GemmaAttention], tp: TPRank = TPRank(),
                  moe_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
         if tp.size == 1:
@@ -101,7 +109,7 @@ class Gemma3Model(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers))
+            GemmaDecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         local = msgspec.structs.replace(config, rope_theta=config.gemma.local_rope_theta,
@@ -126,8 +134,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    attention_cls = Gemma3Attention
-    decoder_cls = Gemma3Model
+    attention_cls = GemmaAttention
+    decoder_cls = GemmaModel
     fused_forwards = False
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True, row_invariant: bool = False) -> torch.Tensor:
@@ -136,3 +144,8 @@ class Gemma3ForCausalLM(CausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layout without q/k norms, one RoPE, soft-capped scores and logits (the
+    config says which: `GemmaConfig`)."""
