@@ -89,12 +89,6 @@ class LLMEngine:
         if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].fused_forwards:
             raise ConfigError(f"{self.model_dir.path}: {cfg.architecture} runs on --device cpu only so far (no CUDA "
                               f"kernels for its layers yet)")
-        if cfg.sliding_window is not None and cfg.sliding_window < self.max_model_len and self.device.type == "cuda":
-            raise ConfigError(
-                f"{self.model_dir.path}: sliding-window attention (sliding_window={cfg.sliding_window}) runs on "
-                f"--device cpu only so far; on CUDA --max-model-len {cfg.sliding_window} or less runs it (the "
-                f"window then never binds)"
-            )
         check_parallelism(cfg, params, self.device)
         self.none_hash = make_none_hash()
         self.identity = None

@@ -117,7 +117,8 @@ class OneTokenPrefillGraphs:
             if hooks is not None:
                 hooks.before_layer(attn.layer_idx)
             next(graphs).replay()
-            cuda_attention(meta, attn.layer_idx, q, k, v, attn.scale, kv_stored=True, out=self.attn_out)
+            cuda_attention(meta, attn.layer_idx, q, k, v, attn.scale, kv_stored=True, out=self.attn_out,
+                           window=attn.sliding_window)
             if hooks is not None:
                 hooks.after_layer(attn.layer_idx)
             next(graphs).replay()

@@ -9,7 +9,9 @@ and the fused MoE experts.
   another expert), and transformers' greedy choice equal to ours wherever its top two logits
   are more than twice that apart;
 - each architecture batch-invariant (the default): a request's tokens and logprobs alone equal
-  those it gets batched with others, with decode graphs captured (MoE models included).
+  those it gets batched with others, with decode graphs captured (MoE models included);
+- a Mistral whose sliding window binds, in both checks (the CUDA kernels take the window);
+- Gemma 3 refused on CUDA in one line.
 Skipped without CUDA.
 """
 
@@ -27,7 +29,9 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-ARCHITECTURES = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe"]
+ARCHITECTURES = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe", "mistral-window48"]
+# Presets with a config change: a Mistral whose 48-token window binds in every check below.
+VARIANTS = {"mistral-window48": ("tiny-mistral", {"sliding_window": 48})}
 MOE = {"tiny-mixtral", "tiny-qwen3-moe"}
 # bf16 logits of these 4-layer models (their logits spread about 1) against transformers' bf16
 # ones: rounding differs in every product, not more.
@@ -46,8 +50,9 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("archs")
     dirs = {}
     for name in ARCHITECTURES:
-        preset = PRESETS[name]
-        write_random_model_dir(root / name, dict(preset.hf_config), seed=3, tokenizer=preset.tokenizer)
+        base, change = VARIANTS.get(name, (name, {}))
+        preset = PRESETS[base]
+        write_random_model_dir(root / name, {**preset.hf_config, **change}, seed=3, tokenizer=preset.tokenizer)
         dirs[name] = root / name
     return dirs
 
@@ -158,28 +163,6 @@ def test_each_architecture_is_batch_invariant_with_graphs(model_dirs, name):
             batch = engine.generate(others + targets, SP)
             assert [(r.output_token_ids, r.logprobs) for r in batch[-2:]] == alone, n
         assert sum(worker.runner.graphs.replays.values()), "no decode step replayed a graph"
-    finally:
-        engine.close()
-
-
-def test_a_window_that_binds_is_refused_on_cuda_in_one_line(tmp_path):
-    from kvtool.engine.engine import LLMEngine
-    from kvtool.engine.errors import ConfigError
-    from kvtool.engine.params import EngineParams
-    from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
-
-    d = tmp_path / "windowed"
-    preset = PRESETS["tiny-mistral"]
-    write_random_model_dir(d, {**preset.hf_config, "sliding_window": 128}, seed=1, tokenizer=preset.tokenizer,
-                           config_only=True)
-    with pytest.raises(ConfigError) as e:
-        LLMEngine(EngineParams(model=str(d), device="cuda", load_format="dummy", max_model_len=1024))
-    line = str(e.value)
-    assert "\n" not in line and "sliding-window attention (sliding_window=128) runs on --device cpu only" in line
-    engine = LLMEngine(EngineParams(model=str(d), device="cuda", load_format="dummy", max_model_len=128,
-                                    num_gpu_blocks=64))
-    try:
-        assert len(engine.generate([tokens(100, 1)], SP)[0].output_token_ids) == 8
     finally:
         engine.close()
 

@@ -22,8 +22,8 @@ A layer of a sliding-window model passes `window` W: each query row at position 
 at positions (p - W, p] only (transformers' and vLLM's reading of `sliding_window`). The CPU
 paths apply it as a mask over the keys they read, which stay in the pages. A layer may also
 pass `softcap` c (Gemma 2): its scores become tanh(s / c) * c before the mask and the softmax.
-The CUDA kernels take neither yet, and the engine refuses such a model on CUDA before it builds
-one.
+The CUDA kernels take the window (`cuda`); the soft cap runs on CPU only, and the engine refuses
+such a model on CUDA before it builds one.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> B
     return "cuda"
 
 
-def _no_cuda_window(window: int | None, softcap: float | None) -> None:
-    if window is not None or softcap is not None:
-        raise NotImplementedError("the CUDA attention kernels take no sliding window or soft cap yet")
+def _no_cuda_softcap(softcap: float | None) -> None:
+    if softcap is not None:
+        raise NotImplementedError("the CUDA attention kernels take no soft cap yet")
 
 
 def attend(
@@ -96,8 +96,8 @@ def attend(
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
-        _no_cuda_window(window, softcap)
-        out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored)
+        _no_cuda_softcap(softcap)
+        out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored, window=window)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
@@ -125,8 +125,9 @@ def attend_rows(
     if db is not None:
         if db.sampled is None:
             raise RuntimeError("attend_rows on CUDA needs the step's batch of its sampled rows")
-        _no_cuda_window(window, softcap)
-        out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled)
+        _no_cuda_softcap(softcap)
+        out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled,
+                              window=window)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)

@@ -21,12 +21,14 @@ from kvtool.engine.kernels.attention.triton_tiles import paged_decode_tiles
 def cuda_attention(
     meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     kv_stored: bool = False, out: torch.Tensor | None = None, batch: DeviceBatch | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
     Returns [T, Hq, D]: `out` when given, else a new tensor.
 
     `batch` (default: the step's) says which rows q holds: the step's `sampled` batch takes q of
-    the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D]."""
+    the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D].
+    `window`: the layer's sliding window (each row attends its last `window` keys), or None."""
     db = meta.device_batch if batch is None else batch
     pages = meta.kv_pages.tensor
     if not kv_stored:
@@ -38,16 +40,17 @@ def cuda_attention(
     if nd and db.tile_base is not None:
         paged_decode_tiles(
             q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
-            db.num_splits, out[:nd], db.decode_order,
+            db.num_splits, out[:nd], db.decode_order, window,
         )
     elif nd:
         triton_ops.paged_decode(
-            q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order
+            q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order,
+            window,
         )
     if p is not None:
         if p.key_slots is not None:
             kk, vv = triton_ops.gather_kv(pages, layer, p.key_slots)
         else:
             kk, vv = k[p.q_start :], v[p.q_start :]
-        prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :])
+        prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :], window)
     return out

@@ -40,15 +40,16 @@ def uses_hopper_kernel(q: torch.Tensor) -> bool:
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    scale: float, out: torch.Tensor | None = None,
+    scale: float, out: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences: q [T, Hq, D], k/v [sum ctx, Hkv, D] (last dim
     contiguous), cu_q/cu_k [S + 1] int32; a sequence's query rows are the last of its keys.
-    Writes and returns out [T, Hq, D]."""
+    Writes and returns out [T, Hq, D]. A sliding-window layer's rows (`window`) take the Triton
+    kernel on every GPU."""
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    if uses_hopper_kernel(q):
+    if window is None and uses_hopper_kernel(q):
         return _hopper.hopper_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
-    return triton_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out)
+    return triton_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out, window)

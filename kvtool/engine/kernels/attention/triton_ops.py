@@ -63,9 +63,11 @@ def _decode_split_kernel(
     num_q_heads, qk_scale_log2,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One (KV head, sequence, split): online softmax over the split's tokens for all query
-    heads of the KV group at once (rows padded to GROUP_PAD for tl.dot).
+    heads of the KV group at once (rows padded to GROUP_PAD for tl.dot). With WINDOW > 0 the
+    splits cover the last WINDOW keys only.
 
     The grid runs KV heads fastest, then sequences in `order` (longest context first), so the
     GPU starts the longest programs first and the short ones fill the tail: programs of very
@@ -77,8 +79,11 @@ def _decode_split_kernel(
         b = tl.load(order_ptr + b)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b * stride_ctx)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(ctx - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -204,8 +209,10 @@ def paged_decode(
     num_splits: int,
     out: torch.Tensor,
     order: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
-    """Attention of one query token per sequence over its pages; writes out.
+    """Attention of one query token per sequence over its pages (its last `window` keys when
+    given); writes out.
 
     q [B, Hq, D]; block_table [B, W] int (strided views allowed); context_lens [B] int (0 gives
     a zero row); out [B, Hq, D] in q's dtype. num_splits is fixed by the caller (a captured graph
@@ -234,7 +241,7 @@ def paged_decode(
         order if order is not None else context_lens,
         hq, scale * 1.4426950408889634,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits, HAS_ORDER=order is not None,
+        BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits, HAS_ORDER=order is not None, WINDOW=window or 0,
         # Two warps and three stages stream the pages faster on an H200 than four warps and two
         # stages for batches of 16 to 256 sequences, and as fast at batch 1.
         num_warps=2, num_stages=3,

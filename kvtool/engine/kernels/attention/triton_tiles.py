@@ -8,6 +8,10 @@ kernel merges a sequence's tiles one after another in tile order. The number of 
 sequence still follows the batch (to fill the GPU), but it only decides which program computes
 which tiles, never what a tile computes: a row's bits depend on its context alone.
 
+With a window W a row reads its last W keys: the tiles from the one holding key ctx - W on, the
+first masked below it; the tiles before are neither computed nor merged (their slots stay unused).
+What a row gets still depends on its context and W alone.
+
 Tile slots are flat: sequence b's tiles start at `tile_base[b]`, the exclusive prefix sum of
 ceil(context / TILE) (`context.tile_bases`), so the partials take one row per tile of the batch.
 """
@@ -30,16 +34,22 @@ def _tile_partials_kernel(
     mid_o_ptr, mid_lse_ptr, order_ptr,
     num_q_heads, num_programs, qk_scale_log2,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each."""
     kvh = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
     prog = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b * stride_ctx)
-    per = tl.cdiv(tl.cdiv(ctx, TILE_N), num_programs)
-    first = prog * per
-    start = first * TILE_N
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(ctx - WINDOW, 0)
+    first_tile = lo // TILE_N
+    per = tl.cdiv(tl.cdiv(ctx, TILE_N) - first_tile, num_programs)
+    first = first_tile + prog * per
+    # From the block of BLOCK_N keys holding key lo: the first block computed holds a key in the
+    # window, so no row's state starts from a block it cannot see.
+    start = tl.maximum(first * TILE_N, lo // BLOCK_N * BLOCK_N)
     end = tl.minimum((first + per) * TILE_N, ctx)
     tile_base = tl.load(base_ptr + b * stride_base)
 
@@ -59,7 +69,7 @@ def _tile_partials_kernel(
     # out and reset at each tile's last block.
     for t0 in range(start, end, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
-        tmask = offs < end
+        tmask = (offs < end) & (offs >= lo)
         blk = tl.load(bt_ptr + b * stride_bt_row + (offs // BLOCK_SIZE) * stride_bt_col, mask=tmask, other=0)
         tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
         k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
@@ -84,19 +94,23 @@ def _tile_partials_kernel(
 @triton.jit
 def _merge_tiles_kernel(
     mid_o_ptr, mid_lse_ptr, ctx_ptr, stride_ctx, base_ptr, stride_base, o_ptr, stride_ot, stride_oh,
-    num_q_heads, D: tl.constexpr, DP: tl.constexpr, TILE_N: tl.constexpr,
+    num_q_heads, D: tl.constexpr, DP: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Merge the tiles of one (sequence, query head) in tile order; no tile: a zero row."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.cdiv(tl.load(ctx_ptr + b * stride_ctx), TILE_N)
+    ctx = tl.load(ctx_ptr + b * stride_ctx)
+    n = tl.cdiv(ctx, TILE_N)
+    first_tile = 0
+    if WINDOW > 0:
+        first_tile = tl.maximum(ctx - WINDOW, 0) // TILE_N
     tile_base = tl.load(base_ptr + b * stride_base)
     d = tl.arange(0, DP)
     d_ok = d < D
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     l = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([DP], dtype=tl.float32)
-    for t in range(0, n):
+    for t in range(first_tile, n):
         idx = (tile_base + t) * num_q_heads + h
         lse = tl.load(mid_lse_ptr + idx + tl.arange(0, 1))
         o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d, mask=d_ok, other=0.0)
@@ -122,8 +136,10 @@ def paged_decode_tiles(
     num_programs: int,
     out: torch.Tensor,
     order: torch.Tensor,
+    window: int | None = None,
 ) -> None:
-    """`triton_ops.paged_decode` with each row's bits independent of the batch.
+    """`triton_ops.paged_decode` with each row's bits independent of the batch (over the last
+    `window` keys when given).
 
     tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
     batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
@@ -148,9 +164,10 @@ def paged_decode_tiles(
         mid_o, mid_lse, order,
         hq, num_programs, scale * 1.4426950408889634,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, num_warps=2, num_stages=3,
+        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, WINDOW=window or 0, num_warps=2, num_stages=3,
     )
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
-        out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=TILE, num_warps=4,
+        out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=TILE, WINDOW=window or 0,
+        num_warps=4,
     )

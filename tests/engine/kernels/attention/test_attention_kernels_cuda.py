@@ -352,3 +352,63 @@ def test_paged_decode_launch_order_changes_no_bit(num_splits):
     paged_decode(q, pages, 1, tables, ctx, d**-0.5, num_splits, ordered, order)
     assert torch.equal(plain, ordered)
     assert not plain[2].any()
+
+
+@pytest.mark.parametrize("window", [5, 64, 100, 700])
+def test_sliding_window_kernels_match_the_reference_and_keep_row_bits(window):
+    """Each row over its last `window` keys: the split-KV decode (1 and 5 splits), the fixed-tile
+    decode (its rows the same for 1 to 3 programs), and the prefill kernel (its tail rows the bits
+    of the whole prefill's), each against float64 attention over the window."""
+    import torch.nn.functional as F
+
+    from kvtool.engine.kernels.attention.context import TILE
+    from kvtool.engine.kernels.attention.prefill import prefill_attention
+    from kvtool.engine.kernels.attention.triton_ops import paged_decode
+    from kvtool.engine.kernels.attention.triton_tiles import paged_decode_tiles
+
+    bs, hq, hkv, d = 16, 8, 2, 128
+    ctx = torch.tensor([1, 17, 70, 300, 1000], dtype=torch.int32)
+    width = -(-int(ctx.max()) // bs)
+    nb = width * len(ctx) + 2
+    pages = random_pages(nb, 2, bs, hkv, d, seed=window)
+    tables = torch.stack([torch.randperm(nb)[:width] for _ in ctx]).to(torch.int32)
+    q = torch.randn((len(ctx), hq, d), device=DEV).to(torch.bfloat16)
+    scale = d**-0.5
+    ref = []
+    for b, n in enumerate(ctx.tolist()):
+        lo = max(0, n - window)
+        blocks = tables[b][: -(-n // bs)].long()
+        k = pages.cpu()[blocks, 0, 1].reshape(-1, hkv, d)[lo:n].double().repeat_interleave(hq // hkv, 1)
+        v = pages.cpu()[blocks, 1, 1].reshape(-1, hkv, d)[lo:n].double().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,thd->ht", q[b].cpu().double(), k) * scale
+        ref.append(torch.einsum("ht,thd->hd", s.softmax(-1), v))
+    ref = torch.stack(ref)
+    for splits in (1, 5):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, pages, 1, tables.to(DEV), ctx.to(DEV), scale, splits, out, window=window)
+        assert rel_err(out.cpu(), ref) < BF16_TOL
+    tiles = [-(-n // TILE) for n in ctx.tolist()]
+    base = torch.tensor(np.cumsum([0] + tiles[:-1]), dtype=torch.int32, device=DEV)
+    outs = []
+    for programs in (1, 2, 3):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_tiles(q, pages, 1, tables.to(DEV), ctx.to(DEV), base, sum(tiles), scale, programs, out,
+                           torch.arange(len(ctx), dtype=torch.int32, device=DEV), window=window)
+        outs.append(out)
+    assert rel_err(outs[0].cpu(), ref) < BF16_TOL
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+    n = 1000
+    g = torch.Generator(device=DEV).manual_seed(window)
+    qq, kk, vv = (torch.randn((n, h, d), generator=g, device=DEV).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    whole = prefill_attention(qq, kk, vv, cu, cu, n, scale, window=window)
+    pos = torch.arange(n, device=DEV)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    sdpa = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (qq, kk, vv)), attn_mask=mask,
+                                          scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert float((whole.double() - sdpa).norm() / sdpa.norm()) < BF16_TOL
+    for rows in (1, 7, 64, 65, 300):
+        tail = prefill_attention(qq[-rows:], kk, vv, torch.tensor([0, rows], dtype=torch.int32, device=DEV), cu,
+                                 rows, scale, window=window)
+        assert torch.equal(tail, whole[-rows:]), rows
