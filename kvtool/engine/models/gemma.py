@@ -27,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE, attend
-from kvtool.engine.models.layers import CausalLM, Embedding, GatedMLP, RotaryEmbedding, apply_rotary, pad_rows_on_cpu
+from kvtool.engine.models.layers import CausalLM, GatedMLP, RotaryEmbedding, apply_rotary, make_embedding, pad_rows_on_cpu
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.model_dir import ModelConfig
-from kvtool.engine.models.parallel import VocabParallelEmbedding
 from kvtool.engine.models.shard_layout import TPRank
 
 
@@ -104,10 +103,7 @@ class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[GemmaAttention], tp: TPRank = TPRank(),
                  moe_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
-        if tp.size == 1:
-            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = make_embedding(config, tp)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -57,6 +57,13 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+def make_embedding(config: ModelConfig, tp: TPRank) -> nn.Module:
+    """The token embedding of a decoder: the whole matrix, or a tensor-parallel rank's rows."""
+    if tp.size == 1:
+        return Embedding(config.vocab_size, config.hidden_size)
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -197,10 +204,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[nn.Module], tp: TPRank = TPRank(),
                  moe_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
-        if tp.size == 1:
-            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = make_embedding(config, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention_cls(config, i, tp), tp, moe_cls) for i in range(config.num_layers)
         )
