@@ -93,3 +93,28 @@ def test_default_model_answers_the_chat_question(run_kvtool):
     r = json.loads(stdout)["requests"][0]
     assert r["text"].strip() == "The capital of France is Paris."
     assert r["finish_reason"] == "stop"
+
+
+ARCHITECTURE_PRESETS = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe", "tiny-fp8",
+                        "tiny-gemma2", "tiny-gemma3"]
+
+
+@pytest.mark.parametrize("preset", ARCHITECTURE_PRESETS)
+def test_generate_runs_every_architecture_with_the_engines_tokens(preset, run_kvtool, tmp_path):
+    """`kvtool generate --model DIR` on CPU for each supported architecture's test preset (and the
+    FP8 checkpoint): the engine's greedy tokens for the chat question."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams, SamplingParams
+    from kvtool.engine.presets.catalog import create_model_dir
+
+    model = tmp_path / preset
+    create_model_dir(model, preset=preset, seed=4)
+    code, stdout, stderr = run_kvtool(["generate", "--model", model, "--chat", "--prompt", "What is the capital of France?",
+                                       "--max-tokens", "6", "--temperature", "0", "--kv-cache-memory", "64M",
+                                       "--max-model-len", "1024", "--json"])
+    assert code == 0, stderr
+    got = json.loads(stdout)["requests"][0]
+    with LLMEngine(EngineParams(model=str(model), device="cpu", kv_cache_memory=64 << 20, max_model_len=1024)) as engine:
+        prompt = engine.encode_prompt("What is the capital of France?", chat=True)
+        want = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert got["prompt_token_ids"] == prompt and got["output_token_ids"] == want.output_token_ids

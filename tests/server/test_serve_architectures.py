@@ -9,8 +9,10 @@ from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.catalog import create_model_dir
 from tests.support.server_process import ServerProcess
 
-# The test preset of each architecture beside the tiny Qwen3 and Llama ones the other serve tests use.
-PRESETS = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-gemma3", "tiny-gemma2"]
+# The test preset of each architecture beside the tiny Qwen3 and Llama ones the other serve tests
+# use, and the FP8 checkpoint.
+PRESETS = ["tiny-qwen2", "tiny-mistral", "phi-3-tiny", "tiny-mixtral", "tiny-qwen3-moe", "tiny-fp8", "tiny-gemma3",
+           "tiny-gemma2"]
 FLAGS = ["--device", "cpu", "--kv-cache-memory", "64M", "--max-model-len", "1024"]
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 8
