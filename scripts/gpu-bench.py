@@ -6,7 +6,8 @@ Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
   kernels     Triton split-KV decode (TB/s of K+V read); kvtool's prefill kernel (on Hopper the Gluon
-              one) and the Triton one, causal and over a cached prefix, beside cuDNN SDPA (TFLOP/s)
+              one) and the Triton one, causal and over a cached prefix, beside cuDNN SDPA (TFLOP/s);
+              the fused MoE experts at 1 to 2048 tokens (TB/s of the routed experts' weights)
   prefill     Qwen3-8B cold prefill TTFT at 2k/8k/32k (the last layer for the sampled row alone, the
               default, and for every row, alternating), and HF transformers on the same shapes
   hit         Qwen3-8B full-prefix hit from the CPU tier: TTFT and H2D rate; partial hits with and
@@ -357,6 +358,39 @@ def section_kernels():
     flop = 4 * 2 * 32 * 128 * 2048 * (8192 - 1024) * 2  # QK^T + PV over the visible keys
     record("kernels", "kvtool prefill over a prefix, 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
            ms=round(ms, 3))
+    kernel_fused_moe()
+
+
+def kernel_fused_moe() -> None:
+    """One MoE block's experts (`kernels.fused_moe`, Qwen3-30B-A3B's shapes: 128 experts, top 8,
+    hidden 2048, expert rows 768) replayed from a CUDA graph: the rate at which the experts the
+    tokens were routed to are read."""
+    import torch
+
+    from kvtool.engine.kernels.fused_moe import fused_experts
+
+    experts, k, hidden, inter = 128, 8, 2048, 768
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).bfloat16()
+    for t in (1, 8, 64, 256, 2048):
+        x = torch.randn(t, hidden, device="cuda").bfloat16()
+        weights, ids = torch.randn(t, experts, device="cuda").softmax(-1).topk(k, -1)
+        fused_experts(x, w13, w2, weights, ids)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_experts(x, w13, w2, weights, ids)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        sync()
+        ms = start.elapsed_time(end) / 50
+        touched = ids.unique().numel()
+        nbytes = touched * 3 * inter * hidden * 2
+        record("kernels", f"fused MoE experts, {t} tokens (Qwen3-30B-A3B shapes, {touched} experts routed to)",
+               nbytes / ms / 1e9, "TB/s", HBM_TBS, ms=round(ms, 4))
 
 
 # ---- prefill ------------------------------------------------------------------------------------
