@@ -86,6 +86,11 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
+        kv_dtype = str(self.dtype).removeprefix("torch.")
+        if params.kv_cache_dtype not in ("auto", kv_dtype):
+            what = "an fp8 or int8 KV cache is not supported yet" if params.kv_cache_dtype not in (
+                "bfloat16", "float16", "float32") else "the KV cache is kept in the model's dtype"
+            raise ConfigError(f"--kv-cache-dtype {params.kv_cache_dtype}: {what} (this engine's: auto or {kv_dtype})")
         if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].fused_forwards:
             raise ConfigError(f"{self.model_dir.path}: {cfg.architecture} runs on --device cpu only so far (no CUDA "
                               f"kernels for its layers yet)")

@@ -22,6 +22,11 @@ MAX_TENSOR_PARALLEL_SIZE = 1024
 MAX_MODEL_CHARS = 4096
 
 
+# vLLM's --kv-cache-dtype values (its CacheDType) and "float16"/"float32", which name a model dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+                   "int8")
+
+
 class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything that shapes an engine. Flag names match vLLM's (`--block-size` -> block_size)."""
 
@@ -32,6 +37,9 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: float32 on CPU, bfloat16 on CUDA. The KV pages use the model dtype.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype), or that dtype spelled out; the engine
+    # refuses any other (an fp8 cache, a float dtype other than the model's) in one line.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
@@ -68,6 +76,9 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"--block-size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {self.block_size}"
             )
         _check_range("--seed", self.seed, 0, MAX_SEED)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (vLLM's names), "
+                              f"got {self.kv_cache_dtype!r}")
         if self.num_gpu_blocks is not None:
             _check_range("--num-gpu-blocks", self.num_gpu_blocks, 1, MAX_NUM_BLOCKS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -157,3 +157,19 @@ def test_refused_keys_are_refused_before_values_and_left_out_of_the_known_keys()
         parse_extra("C", keys, {"thread": 4})
     with pytest.raises(ConfigError, match="knobs must be a JSON object, got"):
         parse_extra("C", keys, {"knobs": [1]})
+
+
+def test_kv_cache_dtype_takes_vllms_names_and_runs_the_models_own(run_kvtool, tiny_model_dir):
+    """vLLM's --kv-cache-dtype: `auto` and the model's own dtype run; an fp8 cache and another float
+    dtype are refused in one line saying why; a name vLLM does not have is refused naming them."""
+    assert "got 'fp9'" in refusal(EngineParams, kv_cache_dtype="fp9")
+    base = ["generate", "--model", tiny_model_dir, "--device", "cpu", "--kv-cache-memory", "64M", "--prompt", "hi",
+            "--max-tokens", "2"]
+    for value in ("auto", "float32"):
+        code, _, err = run_kvtool(base + ["--kv-cache-dtype", value])
+        assert code == 0, err
+    for value, why in (("fp8", "an fp8 or int8 KV cache is not supported yet"),
+                       ("bfloat16", "the KV cache is kept in the model's dtype")):
+        code, _, err = run_kvtool(base + ["--kv-cache-dtype", value])
+        line = err.strip().splitlines()[-1]
+        assert code != 0 and why in line and "(this engine's: auto or float32)" in line, err

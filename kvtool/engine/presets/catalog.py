@@ -426,7 +426,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "phi-3-mini": Preset(
         name="phi-3-mini",
-        description="Phi-3-mini-4k-instruct's public config, random weights (its window needs --max-model-len 2047)",
+        description="Phi-3-mini-4k-instruct's public config (its 2047-token sliding window), random weights",
         hf_config=_phi3_config(),
         generation_config={"bos_token_id": 1, "eos_token_id": [32000, 32001, 32007], "pad_token_id": 32000},
         tokenizer=_PHI3,
