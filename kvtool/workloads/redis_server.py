@@ -1,4 +1,5 @@
-"""Real `redis-server` processes on loopback: one server, or a three-master Redis Cluster.
+"""Real `redis-server` processes on loopback: one server, a three-master Redis Cluster, or a
+master and a replica watched by a Redis Sentinel.
 
 Used by the `redis` and `redis-cluster` arms of `kvtool replay` / `kvtool bench` (and by the
 tests). `redis-server` and `redis-cli` are found on PATH (Debian's `redis-server` package; the
@@ -158,6 +159,95 @@ class RedisClusterProcesses:
             node.stop()
 
 
+class RedisSentinelSet:
+    """A master, a replica of it, and one `redis-server --sentinel` watching them under
+    `service_name` (quorum 1, a master down after `down_after_ms`): killing the master makes the
+    sentinel promote the replica."""
+
+    def __init__(self, workdir: Path, service_name: str = "redismaster", down_after_ms: int = 500) -> None:
+        self.workdir = workdir
+        self.service_name = service_name
+        self.down_after_ms = down_after_ms
+        self.master = RedisServer(free_port(), workdir / "master")
+        self.replica = RedisServer(free_port(), workdir / "replica", ["--replicaof", HOST, str(self.master.port)])
+        self.sentinel_port = free_port()
+        self.sentinel = RedisServer(self.sentinel_port, workdir / "sentinel")
+
+    @property
+    def url(self) -> str:
+        return f"redis-sentinel://{HOST}:{self.sentinel_port}"
+
+    def start(self) -> RedisSentinelSet:
+        try:
+            self.master.start()
+            self.replica.start()
+            conf = self.workdir / "sentinel" / "sentinel.conf"  # the sentinel rewrites it as it learns
+            conf.parent.mkdir(parents=True, exist_ok=True)
+            conf.write_text(f"sentinel monitor {self.service_name} {HOST} {self.master.port} 1\n"
+                            f"sentinel down-after-milliseconds {self.service_name} {self.down_after_ms}\n"
+                            f"sentinel failover-timeout {self.service_name} 5000\n")
+            self.sentinel.extra = [str(conf), "--sentinel"]
+            self._start_sentinel(conf)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while self.master_port() != self.master.port or not self._replica_linked():
+                if time.monotonic() > deadline:
+                    raise PeerError(f"the sentinel did not see master and replica within {START_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_sentinel(self, conf: Path) -> None:
+        # A sentinel takes its config file first and refuses --save/--appendonly: its own command line.
+        s = self.sentinel
+        with open(s.log_path, "ab") as log:
+            s.proc = subprocess.Popen([redis_binary(), str(conf), "--sentinel", "--port", str(s.port), "--bind", HOST],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ping(s.port):
+            if s.proc.poll() is not None or time.monotonic() > deadline:
+                s.stop()
+                raise PeerError(f"redis-server --sentinel did not start: {s.log_tail()}")
+            time.sleep(0.02)
+
+    def _cli(self, port: int, *args: str) -> str:
+        out = subprocess.run([redis_binary("redis-cli"), "-h", HOST, "-p", str(port), *args], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout
+
+    def _replica_linked(self) -> bool:
+        return "master_link_status:up" in self._cli(self.replica.port, "info", "replication")
+
+    def master_port(self) -> int | None:
+        """The port of the master the sentinel names now (None before it names one)."""
+        lines = self._cli(self.sentinel_port, "sentinel", "get-master-addr-by-name", self.service_name).split()
+        return int(lines[1]) if len(lines) == 2 else None
+
+    def kill_master(self) -> None:
+        """Kill the master (as a crash would): the sentinel promotes the replica."""
+        self.master.stop(signal.SIGKILL)
+
+    def master_flags(self) -> str:
+        """The sentinel's flags for the master ("master" when it is up and no failover runs)."""
+        out = self._cli(self.sentinel_port, "sentinel", "master", self.service_name).split()
+        return dict(zip(out[::2], out[1::2])).get("flags", "")
+
+    def wait_for_failover(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until the sentinel names the promoted replica as a healthy master (clients such as
+        redis-py's refuse a master still flagged down while the failover finishes)."""
+        deadline = time.monotonic() + timeout_s
+        while self.master_port() != self.replica.port or self.master_flags() != "master":
+            if time.monotonic() > deadline:
+                raise PeerError(f"the sentinel did not promote the replica within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every process by PID. Idempotent."""
+        for server in (self.sentinel, self.replica, self.master):
+            server.stop()
+
+
 @contextlib.contextmanager
 def redis_server(extra: Sequence[str] = ()) -> Iterator[RedisServer]:
     """A running redis-server on a free loopback port, stopped (and its directory removed) after."""
@@ -178,3 +268,14 @@ def redis_cluster(num_masters: int = 3) -> Iterator[RedisClusterProcesses]:
             yield cluster
         finally:
             cluster.stop()
+
+
+@contextlib.contextmanager
+def redis_sentinel(service_name: str = "redismaster") -> Iterator[RedisSentinelSet]:
+    """A running master, replica and sentinel on loopback, stopped after."""
+    with tempfile.TemporaryDirectory(prefix="kvtool-redis-sentinel-") as tmp:
+        group = RedisSentinelSet(Path(tmp), service_name).start()
+        try:
+            yield group
+        finally:
+            group.stop()

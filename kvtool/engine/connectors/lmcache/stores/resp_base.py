@@ -125,6 +125,15 @@ class RespStore:
                                    max_connections=max(2, self.num_connections), **common)
             await cluster.initialize()
             return cluster
+        if a.scheme == "redis-sentinel":
+            from redis.asyncio.sentinel import Sentinel
+
+            # The master the sentinels name now; redis-py asks them again after a connection error,
+            # so an operation after a failover reaches the promoted replica.
+            sentinel = Sentinel(list(a.nodes), socket_timeout=self.timeout_s,
+                                sentinel_kwargs={"socket_timeout": self.timeout_s,
+                                                 "socket_connect_timeout": self.timeout_s})
+            return sentinel.master_for(a.service_name, max_connections=self.num_connections + 1, **common)
         if a.scheme == "unix":
             pool = aioredis.ConnectionPool(connection_class=aioredis.UnixDomainSocketConnection, path=a.path, db=a.db,
                                            max_connections=self.num_connections + 1, **common)

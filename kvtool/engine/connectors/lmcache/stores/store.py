@@ -11,6 +11,9 @@ Schemes (LMCache's own `remote_url` spellings):
     rediss://[USER:PASSWORD@]HOST:PORT[/DB][?ssl_ca_certs=FILE&...]   the same over TLS (SSL_OPTIONS)
     unix://[USER:PASSWORD@]/PATH[?db=DB]          the same over a Unix socket
     redis-cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]   a Redis Cluster, the same layout
+    redis-sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]  the master Redis Sentinels name, the same
+                                                  layout; its service name is LMCache's REDIS_SERVICE_NAME
+                                                  (default redismaster)
     valkey://[USER:PASSWORD@]HOST:PORT            one key per chunk, LMCache's ValkeyConnector layout
 
 A password missing from the URL is taken from `KVTOOL_REDIS_PASSWORD`. Passwords never appear in
@@ -32,7 +35,9 @@ from kvtool.engine.errors import ConfigError, KVToolError
 
 Buffer = Union[bytes, bytearray, memoryview]
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
-SCHEMES = ("lm", "redis", "rediss", "unix", "redis-cluster", "valkey")
+SCHEMES = ("lm", "redis", "rediss", "unix", "redis-cluster", "redis-sentinel", "valkey")
+# The sentinels' name for the master (LMCache's RedisSentinelConnector reads the same variable).
+SERVICE_NAME_ENV, DEFAULT_SERVICE_NAME = "REDIS_SERVICE_NAME", "redismaster"
 REDIS_DEFAULT_PORT = 6379
 DEFAULT_VALKEY_TTL_S = 86400  # LMCache's default when valkey_enable_ttl is set without valkey_ttl_sec
 # rediss:// query options, passed to redis-py's SSL connections as they are.
@@ -99,6 +104,7 @@ class StoreAddress:
     password: str | None = field(default=None, repr=False)
     query: dict = field(default_factory=dict, repr=False)  # redis-py connection options (rediss://)
     ttl_s: int | None = None  # valkey:// only: the expiry of each written key
+    service_name: str | None = None  # redis-sentinel:// only: the master's name at the sentinels
 
     def describe(self) -> str:
         """`scheme://host:port[/db]` (or the socket path): the address, never the credentials."""
@@ -145,8 +151,9 @@ def parse_store_url(url: str, environ: dict | None = None) -> StoreAddress:
     hosts, _, tail = hostpart.partition("/")
     query = {k: v[-1] for k, v in parse_qs(query_text).items()}
     nodes = tuple(_host_port(h, where) for h in hosts.split(","))
-    if scheme != "redis-cluster" and len(nodes) != 1:
-        raise ConfigError(f"remote_url {where!r}: {scheme}:// takes one HOST:PORT (redis-cluster:// takes several)")
+    if scheme not in ("redis-cluster", "redis-sentinel") and len(nodes) != 1:
+        raise ConfigError(f"remote_url {where!r}: {scheme}:// takes one HOST:PORT (redis-cluster:// and "
+                          f"redis-sentinel:// take several)")
     db = 0
     if tail and scheme in ("redis", "rediss"):
         db = _int_field(tail, "database", where)
@@ -157,7 +164,8 @@ def parse_store_url(url: str, environ: dict | None = None) -> StoreAddress:
     unknown = sorted(set(query) - set(SSL_OPTIONS))
     if unknown:
         raise ConfigError(f"remote_url {where!r}: option {unknown[0]!r} is not one of {', '.join(SSL_OPTIONS)}")
-    return StoreAddress(scheme, nodes, None, db, username, password, query)
+    service = env.get(SERVICE_NAME_ENV) or DEFAULT_SERVICE_NAME if scheme == "redis-sentinel" else None
+    return StoreAddress(scheme, nodes, None, db, username, password, query, service_name=service)
 
 
 def store_address(

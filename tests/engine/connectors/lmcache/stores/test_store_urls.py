@@ -28,6 +28,17 @@ def test_schemes(url, scheme, nodes, db, user, described):
     assert (a.scheme, a.nodes, a.db, a.username, a.describe()) == (scheme, nodes, db, user, described)
 
 
+def test_sentinel_urls_name_every_sentinel_and_the_service_as_lmcache_reads_it():
+    a = parse_store_url("redis-sentinel://u:pw@s1:26379,s2:26380", environ={})
+    assert (a.nodes, a.username, a.password, a.service_name) == ((("s1", 26379), ("s2", 26380)), "u", "pw",
+                                                                  "redismaster")
+    assert a.describe() == "redis-sentinel://s1:26379,s2:26380"
+    assert parse_store_url("redis-sentinel://s1:1", environ={"REDIS_SERVICE_NAME": "kv"}).service_name == "kv"
+    assert parse_store_url("redis://h:1", environ={"REDIS_SERVICE_NAME": "kv"}).service_name is None
+    with pytest.raises(ConfigError, match="takes no /DB"):
+        parse_store_url("redis-sentinel://s1:1/2", environ={})
+
+
 def test_unix_socket_with_db():
     a = parse_store_url("unix:///run/redis.sock?db=2", environ={})
     assert (a.path, a.db, a.describe()) == ("/run/redis.sock", 2, "unix:///run/redis.sock?db=2")
