@@ -13,6 +13,8 @@ Built-in arms:
     redis         LMCacheConnector on a redis-server started for the run (`redis://`, LMCache's
                   RedisConnector layout); hits come from Redis, as for lmcache
     redis-cluster the same on a three-master Redis Cluster started for the run (`redis-cluster://`)
+    redis-sentinel the same on a master and replica watched by a Redis Sentinel started for the run
+                  (`redis-sentinel://`)
     hf            Hugging Face transformers on the same weights (`kvtool bench` only)
 
 Any other arm is `NAME=JSON`, a vLLM KVTransferConfig document; it is treated like `cpu`
@@ -37,9 +39,10 @@ from kvtool.engine.connectors.config import KVTransferConfig, parse_kv_transfer_
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.errors import ConfigError
 
-BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "redis", "redis-cluster", "hf")
+BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "redis", "redis-cluster",
+                                  "redis-sentinel", "hf")
 # Built-in arms whose store is a Redis started for the run (redis_server.py), by name.
-REDIS_ARMS: tuple[str, ...] = ("redis", "redis-cluster")
+REDIS_ARMS: tuple[str, ...] = ("redis", "redis-cluster", "redis-sentinel")
 REFERENCE_ARM = "none"
 
 # What serves an arm's reuse pass, and so which counter proves its hits ("server": a running
@@ -80,8 +83,8 @@ def lmcache_config(url: str, policy: str = "fail") -> str:
 
 def make_builtin_arm(name: str, *, disk_root: str | Path | None = None, lmcache_url: str | None = None,
                      store_urls: dict[str, str] | None = None) -> Arm:
-    """The built-in arm `name`. `disk` needs `disk_root`, `lmcache` needs `lmcache_url`, `redis` and
-    `redis-cluster` their URL in `store_urls`."""
+    """The built-in arm `name`. `disk` needs `disk_root`, `lmcache` needs `lmcache_url`, the Redis
+    arms their URL in `store_urls`."""
     if name == "none":
         return Arm(name=name, enable_prefix_caching=False, reuse="none")
     if name == "prefix-cache":
@@ -182,12 +185,13 @@ def open_arms(specs: list[str], *, lmcache_url: str | None = None) -> Iterator[l
 
     The built-in disk arm gets a temporary directory, removed afterwards; the built-in lmcache
     arm gets `lmcache_url`, or an LMCache server started from the peer environment and stopped
-    afterwards (lmcache_server.py); the redis and redis-cluster arms get a redis-server, or a
-    three-master Redis Cluster, started on loopback and stopped afterwards (redis_server.py).
+    afterwards (lmcache_server.py); the redis, redis-cluster and redis-sentinel arms get a
+    redis-server, a three-master Redis Cluster, or a master, replica and sentinel, started on
+    loopback and stopped afterwards (redis_server.py).
     Raises ConfigError for an unknown name or a bad spec.
     """
     from kvtool.workloads.lmcache_server import lmcache_server
-    from kvtool.workloads.redis_server import redis_cluster, redis_server
+    from kvtool.workloads.redis_server import redis_cluster, redis_sentinel, redis_server
 
     names = [s for s in specs if "=" not in s]
     with contextlib.ExitStack() as stack:
@@ -198,5 +202,7 @@ def open_arms(specs: list[str], *, lmcache_url: str | None = None) -> Iterator[l
             store_urls["redis"] = f"redis://127.0.0.1:{stack.enter_context(redis_server()).port}"
         if "redis-cluster" in names:
             store_urls["redis-cluster"] = stack.enter_context(redis_cluster()).url
+        if "redis-sentinel" in names:
+            store_urls["redis-sentinel"] = stack.enter_context(redis_sentinel()).url
         yield [parse_arm_spec(s) if "=" in s else
                make_builtin_arm(s, disk_root=disk_root, lmcache_url=url, store_urls=store_urls) for s in specs]

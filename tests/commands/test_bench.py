@@ -126,11 +126,12 @@ def test_throughput_timed_pass_is_cold_after_a_warm_up_over_the_same_prompts(mon
 def test_ttft_redis_arms_start_their_stores_and_prove_their_hits(tmp_path):
     out = tmp_path / "ttft.json"
     result = bench("ttft", *ENGINE, "--prompt-lens", "72", "--hit-fractions", "0,1", "--concurrency", "2",
-                   "--repeats", "1", "--max-tokens", "4", "--arms", "none,redis,redis-cluster", "--json", str(out))
+                   "--repeats", "1", "--max-tokens", "4", "--arms", "none,redis,redis-cluster,redis-sentinel", "--json",
+                   str(out))
     assert result.exit_code == 0, result.output + repr(result.exception)
     cells = {(c["arm"], c["hit_fraction"]): c for c in json.loads(out.read_text())["cells"]}
-    for arm in ("redis", "redis-cluster"):
+    for arm in ("redis", "redis-cluster", "redis-sentinel"):
         full = cells[(arm, 1.0)]
-        assert full["valid"] and full["output_equal"] and full["hit_source"] == arm
+        assert full["valid"] and full["output_equal"] and full["hit_source"] == arm.removesuffix("-sentinel")
         assert full["loaded_tokens"] == full["expected_hit_tokens"] == 2 * 64 and full["bytes_loaded"] > 0
         assert cells[(arm, 0.0)]["valid"]

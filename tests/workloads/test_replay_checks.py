@@ -108,10 +108,12 @@ def test_restarts_that_would_lose_the_kv_are_refused(tmp_path):
 
 
 def test_redis_arms_are_lmcache_connectors_on_their_store():
-    urls = {"redis": "redis://127.0.0.1:1", "redis-cluster": "redis-cluster://127.0.0.1:1,127.0.0.1:2"}
+    urls = {"redis": "redis://127.0.0.1:1", "redis-cluster": "redis-cluster://127.0.0.1:1,127.0.0.1:2",
+            "redis-sentinel": "redis-sentinel://127.0.0.1:3"}
     for name, url in urls.items():
         arm = make_builtin_arm(name, store_urls=urls)
         assert json.loads(arm.kv_transfer_config)["kv_connector_extra_config"] == {"remote_url": url}
-        assert arm.survives_restart and hit_source(arm, rebuilt=False) == name
+        # a sentinel's store is a Redis: its hits are Redis hits
+        assert arm.survives_restart and hit_source(arm, rebuilt=False) == name.removesuffix("-sentinel")
     with pytest.raises(ConfigError, match="needs its store's URL"):
         make_builtin_arm("redis")
