@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvtool.engine.errors import ConfigError, PeerError
@@ -50,6 +50,15 @@ def free_port(cluster: bool = False) -> int:
                 except OSError:
                     continue
     raise PeerError("no free loopback port for a Redis cluster node")
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Poll `ready` until it is true; PeerError saying `what` did not happen within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise PeerError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def ping(port: int, timeout_s: float = 1.0) -> bool:
@@ -137,11 +146,7 @@ class RedisClusterProcesses:
                                   "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
             if out.returncode != 0:
                 raise PeerError(f"redis-cli --cluster create failed: {(out.stdout + out.stderr).strip()[-2000:]}")
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not all(self._cluster_ok(n.port) for n in self.nodes):
-                if time.monotonic() > deadline:
-                    raise PeerError(f"the Redis cluster was not ok within {START_TIMEOUT_S:.0f} s")
-                time.sleep(0.05)
+            wait_until(lambda: all(self._cluster_ok(n.port) for n in self.nodes), "the Redis cluster was not ok")
         except BaseException:
             self.stop()
             raise
@@ -186,13 +191,9 @@ class RedisSentinelSet:
             conf.write_text(f"sentinel monitor {self.service_name} {HOST} {self.master.port} 1\n"
                             f"sentinel down-after-milliseconds {self.service_name} {self.down_after_ms}\n"
                             f"sentinel failover-timeout {self.service_name} 5000\n")
-            self.sentinel.extra = [str(conf), "--sentinel"]
             self._start_sentinel(conf)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while self.master_port() != self.master.port or not self._replica_linked():
-                if time.monotonic() > deadline:
-                    raise PeerError(f"the sentinel did not see master and replica within {START_TIMEOUT_S:.0f} s")
-                time.sleep(0.05)
+            wait_until(lambda: self.master_port() == self.master.port and self._replica_linked(),
+                       "the sentinel did not see master and replica")
         except BaseException:
             self.stop()
             raise
@@ -236,11 +237,8 @@ class RedisSentinelSet:
     def wait_for_failover(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until the sentinel names the promoted replica as a healthy master (clients such as
         redis-py's refuse a master still flagged down while the failover finishes)."""
-        deadline = time.monotonic() + timeout_s
-        while self.master_port() != self.replica.port or self.master_flags() != "master":
-            if time.monotonic() > deadline:
-                raise PeerError(f"the sentinel did not promote the replica within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        wait_until(lambda: self.master_port() == self.replica.port and self.master_flags() == "master",
+                   "the sentinel did not promote the replica", timeout_s)
 
     def stop(self) -> None:
         """Stop every process by PID. Idempotent."""
