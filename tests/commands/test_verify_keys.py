@@ -32,6 +32,7 @@ WRITERS = (
     ("Qwen/Qwen3-0.6B", "bfloat16", 1, 0),
     ("meta-llama/Llama-3.1-8B-Instruct", "float16", 2, 1),
     ("/srv/models/qwen3-8b", "float32", 4, 3),
+    ("RedHatAI/Qwen3-8B-FP8-dynamic", "uint8", 1, 0),  # an fp8 KV cache, as vLLM allocates it
 )
 SEQUENCES_PER_SETTING = 11
 
