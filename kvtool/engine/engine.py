@@ -24,6 +24,7 @@ from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
 from kvtool.engine.kv.cache_size import num_kv_blocks
 from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
+from kvtool.engine.kv.pages import DTYPE_NAMES
 from kvtool.engine.models import MODEL_CLASSES
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
@@ -86,7 +87,7 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
-        kv_dtype = str(self.dtype).removeprefix("torch.")
+        kv_dtype = DTYPE_NAMES[self.dtype]
         if params.kv_cache_dtype not in ("auto", kv_dtype):
             what = "an fp8 or int8 KV cache is not supported yet" if params.kv_cache_dtype not in (
                 "bfloat16", "float16", "float32") else "the KV cache is kept in the model's dtype"

@@ -108,9 +108,10 @@ class GemmaModel(nn.Module):
             GemmaDecoderLayer(config, attention_cls(config, i, tp), tp) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
-        local = msgspec.structs.replace(config, rope_theta=config.gemma.local_rope_theta,
-                                        rope_scaling=config.gemma.local_rope_scaling)
-        self.local_rotary_emb = RotaryEmbedding(local)
+        # Gemma 3's local layers rotate by their own RoPE; Gemma 2's by the global one (None).
+        gemma = config.gemma
+        local = msgspec.structs.replace(config, rope_theta=gemma.local_rope_theta, rope_scaling=gemma.local_rope_scaling)
+        self.local_rotary_emb = RotaryEmbedding(local) if local != config else None
         self.embed_scale = config.hidden_size**0.5
         self.few_rows_multiple = ROW_MULTIPLE  # the runner and `compute_logits` read it
         self.fast_forward = None
@@ -122,7 +123,8 @@ class GemmaModel(nn.Module):
         input_ids, positions = pad_rows_on_cpu(input_ids, self.few_rows_multiple), pad_rows_on_cpu(positions, self.few_rows_multiple)
         h = self.embed_tokens(input_ids)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        rope = {False: self.rotary_emb(positions, h.dtype), True: self.local_rotary_emb(positions, h.dtype)}
+        rope = {False: self.rotary_emb(positions, h.dtype)}
+        rope[True] = rope[False] if self.local_rotary_emb is None else self.local_rotary_emb(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, *rope[layer.self_attn.local])
         h = self.norm(h[:n])

@@ -127,6 +127,8 @@ class _DecodeGroup:
     queries: torch.Tensor  # [B, Hkv, padded group size, D], zero past the group's heads
     keys: torch.Tensor  # [B, L, Hkv, D]
     values: torch.Tensor
+    # The same, padded to ROW_MULTIPLE rows for soft-capped layers (made at their first use).
+    capped_queries: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -315,12 +317,13 @@ def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: tor
         # Slots past a context hold whatever the pages had there (maybe not even numbers).
         g.keys.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
         g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
-        g.queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
-        k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
         queries = g.queries
-        if softcap is not None and queries.shape[2] % ROW_MULTIPLE:  # the prefill tiles' row counts
-            pad = _round_up(queries.shape[2], ROW_MULTIPLE) - queries.shape[2]
-            queries = torch.cat([queries, queries.new_zeros((b, hkv, pad, d))], dim=2)
+        if softcap is not None:  # the products see the prefill tiles' row counts
+            if g.capped_queries is None:
+                g.capped_queries = g.queries.new_zeros((b, hkv, _round_up(group, ROW_MULTIPLE), d))
+            queries = g.capped_queries
+        queries[:, :, :group] = q.index_select(0, g.rows).view(b, hkv, group, d)
+        k4, v4 = g.keys[:, :n_keys].transpose(1, 2), g.values[:, :n_keys].transpose(1, 2)
         o = _flash(queries, k4, v4, _windowed(g.mask, g.positions, window, g.windowed), scale, softcap)  # [B, Hkv, Gp, D]
         out.index_copy_(0, g.out_rows, o[:, :, :group].reshape(b, hq, d))
 

@@ -16,7 +16,7 @@ import torch
 from kvtool.engine.params import SamplingParams
 from kvtool.peer.env import peer_env, peer_script
 from kvtool.workloads.redis_server import HOST
-from tests.engine.connectors.lmcache.stores.test_redis_store import chunk_keys, fill, prompt, store_config
+from tests.support.redis_chunks import chunk_keys, fill, prompt, store_config
 from tests.support.peer_server import require_peer_python
 
 peer = pytest.mark.peer

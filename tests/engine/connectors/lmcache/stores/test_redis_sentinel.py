@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from kvtool.workloads.redis_server import HOST, redis_sentinel
-from tests.engine.connectors.lmcache.stores.test_redis_store import GREEDY, fill, prompt, store_config
+from tests.support.redis_chunks import GREEDY, fill, prompt, store_config
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

@@ -20,38 +20,11 @@ import pytest
 import redis
 import torch
 
-from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings, make_chunk_keys
 from kvtool.engine.errors import PeerError
-from kvtool.engine.params import SamplingParams
 from kvtool.workloads.redis_server import HOST
 from tests.conftest import kvtool_cmd
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-MODEL_NAME = "kvtool-test/redis"  # fixed, so keys (and cluster slots) do not depend on temp paths
-
-
-def store_config(url, policy="fail", **extra):
-    doc = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "kv_load_failure_policy": policy,
-           "kv_connector_extra_config": {"remote_url": url, "hash_algo": "vllm", "model_name": MODEL_NAME, **extra}}
-    return parse_kv_transfer_config(json.dumps(doc))
-
-
-def prompt(n, seed):
-    return [(i * 13 + seed * 101) % 240 + 5 for i in range(n)]
-
-
-def chunk_keys(p, chunk_tokens=256):
-    return [c.key for c in make_chunk_keys(p, LMCacheKeySettings(model_name=MODEL_NAME, kv_dtype="float",
-                                                                  chunk_tokens=chunk_tokens))]
-
-
-def fill(make_engine, url, prompts, **extra):
-    writer = make_engine(kv_transfer_config=store_config(url, **extra))
-    out = writer.generate(prompts, GREEDY)
-    writer.executor.worker.connector.flush()
-    return out
-
+from tests.support.redis_chunks import GREEDY, MODEL_NAME, chunk_keys, fill, prompt, store_config
 
 def plain_client(server) -> redis.Redis:
     return redis.Redis(host=HOST, port=server.port)
