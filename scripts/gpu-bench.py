@@ -359,6 +359,54 @@ def section_kernels():
     record("kernels", "kvtool prefill over a prefix, 4 x (2k over 8k)", flop / ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
            ms=round(ms, 3))
     kernel_fused_moe()
+    kernel_fp8_gemm()
+
+
+# Qwen3-8B's projections (N, K): q/k/v, o_proj, gate/up, down_proj.
+QWEN3_8B_PROJECTIONS = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+
+
+def kernel_fp8_gemm(sweep: bool = False) -> None:
+    """Qwen3-8B's projections over block-wise FP8 weights (`kernels.fp8_gemm`) beside the bf16
+    products the default (batch-invariant) engine runs at the same row count: one decode row
+    (weight bytes read per second) and an 8k prefill (TFLOP/s). With `sweep`, every tile
+    configuration's time is printed too."""
+    import torch
+    from triton.testing import do_bench
+
+    from kvtool.engine.kernels.fp8_gemm import config_for, fp8_mm
+    from kvtool.engine.kernels.fp8_weight import Fp8Weight
+    from kvtool.engine.kernels.row_invariant_gemm import linear, sm_count
+    from kvtool.engine.models.quantization import WeightQuantization, quantize
+
+    q = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))
+    sms = sm_count(torch.device("cuda"))
+    for n, k in QWEN3_8B_PROJECTIONS:
+        dense = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        w = Fp8Weight(*quantize(dense, q), 128, 128)
+        for m in (1, 8192):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            fp8_ms = do_bench(lambda: fp8_mm(x, w), warmup=20, rep=200, return_mode="median")
+            bf16_ms = do_bench(lambda: linear(x, dense, row_invariant=True), warmup=20, rep=200, return_mode="median")
+            if m == 1:
+                record("kernels", f"FP8 GEMM 1 row, N={n} K={k}", n * k / fp8_ms / 1e9, "TB/s", HBM_TBS,
+                       ms=round(fp8_ms, 4), bf16_ms=round(bf16_ms, 4), config=config_for(m, n, sms))
+            else:
+                flop = 2 * m * n * k
+                record("kernels", f"FP8 GEMM {m} rows, N={n} K={k}", flop / fp8_ms / 1e9, "TFLOP/s",
+                       2 * PEAK_TFLOPS, ms=round(fp8_ms, 3), bf16_ms=round(bf16_ms, 3), config=config_for(m, n, sms))
+            if sweep:
+                for cfg in ((16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 32, 8, 4),
+                            (64, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3),
+                            (128, 64, 4, 4)):
+                    if (m == 1) != (cfg[0] == 16):
+                        continue
+                    try:
+                        ms = do_bench(lambda: fp8_mm(x, w, cfg), warmup=10, rep=100, return_mode="median")
+                    except Exception as e:  # a tile too large for shared memory
+                        print(f"# sweep N={n} K={k} M={m} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    print(f"# sweep N={n} K={k} M={m} {cfg}: {ms:.4f} ms", flush=True)
 
 
 def kernel_fused_moe() -> None:
@@ -822,6 +870,7 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
 MODEL_ROWS = (("qwen2.5-7b", ("prefill", "tpot")), ("qwen3-8b", ("prefill", "tpot")),
               ("qwen3-8b-fp8", ("prefill", "tpot")), ("qwen3-30b-a3b", ("tpot", "throughput")))
 MODEL_VLLM = ("qwen2.5-7b", "qwen3-30b-a3b")  # vLLM's arm: the FP8 rows compare with kvtool's bf16
+MODELS: set[str] | None = None  # --models: the rows to run
 MODEL_ENGINE = {"max_model_len": 16384, "max_num_batched_tokens": 16384, "max_num_seqs": 256}
 
 
@@ -831,7 +880,8 @@ def section_models():
     seqs = throughput_workload(64 if QUICK else 256)
     work = {"prefill": prefill_prompts, "tpot": decode_prompts,
             "throughput": ([s.prompt_token_ids for s in seqs], [s.output_len for s in seqs])}
-    for preset, measures in MODEL_ROWS[:1] + MODEL_ROWS[3:] if QUICK else MODEL_ROWS:
+    rows = MODEL_ROWS[:1] + MODEL_ROWS[3:] if QUICK else MODEL_ROWS
+    for preset, measures in [(p, m) for p, m in rows if MODELS is None or p in MODELS]:
         if "kvtool" in ENGINES:
             kvtool_models(preset, measures, warm, work)
         if "vllm" in ENGINES and preset in MODEL_VLLM:
@@ -845,7 +895,7 @@ def kvtool_models(preset: str, measures, warm: list[int], work: dict) -> None:
     sp = SamplingParams(max_tokens=DECODE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     engine = make_engine(preset, enable_prefix_caching=False, **MODEL_ENGINE)
     paths = engine.executor.worker.fast_paths
-    detail = {"moe_experts": paths.moe_experts, "cuda_graphs": paths.cuda_graphs}
+    detail = {"moe_experts": paths.moe_experts, "cuda_graphs": paths.cuda_graphs, "qkv_product": paths.gemm.qkv}
     engine.generate([warm], sp)
     if "prefill" in measures:
         ms = [engine.generate([p], one)[0].stats.ttft_s * 1e3 for p in work["prefill"]]
@@ -1059,7 +1109,7 @@ def side_by_side(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    global OUT, QUICK, ENGINES, VLLM_SITE
+    global OUT, QUICK, ENGINES, VLLM_SITE, MODELS
     if len(sys.argv) == 7 and sys.argv[1] == "--read-lm":
         read_lm(*map(int, sys.argv[2:]))
         return
@@ -1072,7 +1122,11 @@ def main() -> None:
     ap.add_argument("--vllm-site", metavar="DIR", default=os.environ.get("KVTOOL_VLLM_SITE"),
                     help="an unpacked vLLM site folder, put first on the vLLM arm's PYTHONPATH "
                          "(default: $KVTOOL_VLLM_SITE; unset: the environment's own vLLM)")
+    ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
     a = ap.parse_args()
+    MODELS = None if a.models is None else {m.strip() for m in a.models.split(",")}
+    if MODELS is not None and MODELS - {p for p, _ in MODEL_ROWS}:
+        ap.error(f"--models takes {', '.join(p for p, _ in MODEL_ROWS)}")
     engines = tuple(e.strip() for e in a.engines.split(",") if e.strip())
     if not engines or set(engines) - {"kvtool", "vllm"}:
         ap.error(f"--engines takes kvtool and/or vllm, got {a.engines!r}")

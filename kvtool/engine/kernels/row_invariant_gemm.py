@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.gemv import gemv, gemv_fits
 
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
@@ -130,7 +131,7 @@ def warm_up_rows(widths: set[int], num_sms: int) -> list[int]:
 _num_sms: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _num_sms:
         _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -148,17 +149,23 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, bk, warps, stages = config or config_for(m, n, _sm_count(a.device))
+    bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
                        BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return c
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, *,
            row_invariant: bool) -> torch.Tensor:
     """F.linear for 2-D x; with `row_invariant`, with rows independent of x's row count (the
-    bias is then added after the product, by one elementwise add on either path)."""
+    bias is then added after the product, by one elementwise add on either path). An FP8
+    checkpoint's weight (`Fp8Weight`) goes to `fp8_gemm`, whose rows are invariant at every count."""
+    if isinstance(weight, Fp8Weight):
+        from kvtool.engine.kernels.fp8_gemm import fp8_mm
+
+        y = fp8_mm(x, weight)
+        return y if bias is None else y.add_(bias)
     if not row_invariant:
         # A decode step of one sequence: the GEMV streams the weights faster than cuBLAS does.
         return gemv(x, weight) if gemv_fits(x, weight, bias) else F.linear(x, weight, bias)

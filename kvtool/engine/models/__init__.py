@@ -9,8 +9,10 @@ A checkpoint may store several of the model's projections as one tensor (Phi-3's
 gate_up_proj: `CausalLM.packed_modules`); each part's rows are read into its own parameter.
 
 An FP8 checkpoint (config.quantization) stores linear weights as float8_e4m3fn with a scale
-tensor each; every one is dequantised as it is read (`quantization.dequantize`), before its
-parts or its rank's slice are taken, so the model holds dense weights in its dtype.
+tensor each. On a GPU with FP8 tensor cores (one rank, bf16/fp16) the projections that compute
+in FP8 (`fp8_linear.fp8_projections`) keep the weight and scale as stored; every other FP8 weight
+is dequantised as it is read (`quantization.dequantize`), before its parts or its rank's slice
+are taken, so the model holds dense weights in its dtype.
 
 A tensor-parallel rank (`tp` of size > 1) builds its Megatron shard (`parallel`): it checks the
 headers against the FULL shapes as every rank does, then reads only its slice of each sharded
@@ -31,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kvtool.engine.errors import ConfigError, ModelError
+from kvtool.engine.models.fp8_linear import Fp8Linear, fp8_projections
 from kvtool.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
 from kvtool.engine.models.llama import LlamaForCausalLM
@@ -40,7 +43,7 @@ from kvtool.engine.models.model_dir import ModelConfig, ModelDir, weight_files
 from kvtool.engine.models.parallel import RankHeads, rank_heads, shard_slices
 from kvtool.engine.models.qwen2 import Qwen2ForCausalLM
 from kvtool.engine.models.phi3 import Phi3ForCausalLM
-from kvtool.engine.models.quantization import dequantize, match_scales, scale_owner
+from kvtool.engine.models.quantization import FP8_DTYPE, dequantize, match_scales, scale_owner
 from kvtool.engine.models.qwen3 import Qwen3ForCausalLM
 from kvtool.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvtool.engine.models.shard_layout import TPRank, check_tp_fits
@@ -103,6 +106,7 @@ def build_model(
     slices = shard_slices(config, tp)
     with torch.device("meta"):
         model = cls(config, tp)
+    fp8 = fp8_projections(model, config, device, dtype, tp)
     _materialize(model, device, dtype, max_model_len)
     longest = max_model_len or config.max_position_embeddings
     if config.sliding_window is not None and config.sliding_window >= longest:
@@ -117,11 +121,14 @@ def build_model(
                 if name in slices:
                     dim, start, count = slices[name]
                     value = value.narrow(dim, start, count)
-                params[name].copy_(value)
+                if name in fp8:
+                    fp8[name].load_dense(value)
+                else:
+                    params[name].copy_(value)
         elif load_format == "auto":
             if not isinstance(source, ModelDir):
                 raise ModelError("--load-format auto needs a model directory with safetensors weights")
-            _load_safetensors(source.path, config, params, device, slices)
+            _load_safetensors(source.path, config, params, device, slices, fp8)
         else:
             raise ModelError(f"unknown load format {load_format!r} (auto or dummy)")
     return model
@@ -145,7 +152,7 @@ def _materialize(model: CausalLM, device: torch.device, dtype: torch.dtype, max_
     # Module.to_empty this runs no meta-tensor op, which would import torch's compiler stack.
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            empty = torch.empty(param.shape, dtype=FP8_DTYPE if param.dtype == FP8_DTYPE else dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
         if isinstance(module, RotaryEmbedding):
             module.reset_inv_freq(device, max_model_len)
@@ -281,6 +288,7 @@ def _load_safetensors(
     params: dict[str, torch.nn.Parameter],
     device: torch.device,
     slices: dict[str, tuple[int, int, int]],
+    fp8: dict[str, Fp8Linear],
 ) -> None:
     files, weight_map = weight_files(root)
     full_shapes = parameter_shapes(config) if slices else {n: tuple(p.shape) for n, p in params.items()}
@@ -335,7 +343,12 @@ def _load_safetensors(
                         continue
                     if found.get(name) != path:
                         continue
-                    if name in slices:
+                    if name in fp8:  # kept in FP8 as stored (a dense one quantised)
+                        if name in scales:
+                            fp8[name].load(f.get_tensor(name), scales[name])
+                        else:
+                            fp8[name].load_dense(f.get_tensor(name).to(torch.float32))
+                    elif name in slices:
                         params[name].copy_(_read_slice(_stored(f, name, scales, config), *slices[name]))
                     elif name in scales:
                         params[name].copy_(_stored(f, name, scales, config))

@@ -44,13 +44,15 @@ import msgspec
 import torch
 
 from kvtool.engine.kernels.attention import ROW_MULTIPLE, select_backend
+from kvtool.engine.models.fp8_linear import Fp8Linear
 from kvtool.engine.models.layers import CausalLM, GatedMLP
 
 Kernels = Literal["reference", "cpu", "triton"]
 # "torch": F.linear over the dense weight; "onednn": oneDNN over a weight reordered once;
 # "cuda": `row_invariant_gemm.linear` (cuBLAS or a GEMV, or the row-invariant kernel where the
-# step asks for it); "mixed": some products of that kind one way, some another.
-GemmRoute = Literal["torch", "onednn", "cuda", "mixed"]
+# step asks for it); "fp8": `kernels.fp8_gemm` over an FP8 checkpoint's weights as stored
+# (`fp8_linear.Fp8Linear`); "mixed": some products of that kind one way, some another.
+GemmRoute = Literal["torch", "onednn", "cuda", "fp8", "mixed"]
 
 
 class GemmRoutes(msgspec.Struct, frozen=True):
@@ -143,6 +145,14 @@ def _route(count: int, total: int, route: GemmRoute) -> GemmRoute:
     return "torch" if count == 0 else "mixed"
 
 
+def _fp8(modules: list, leaf: str, route: GemmRoute) -> GemmRoute:
+    """`route`, "fp8" where every module's `leaf` projection is an `Fp8Linear`, "mixed" where some are."""
+    fp8 = sum(isinstance(getattr(m, leaf), Fp8Linear) for m in modules)
+    if fp8 == 0 or route == "torch":
+        return route
+    return "fp8" if fp8 == len(modules) else "mixed"
+
+
 def _apply_cpu(model: CausalLM) -> FastPaths:
     from kvtool.engine.models.cpu_fused import fuse_cpu_modules
     from kvtool.engine.models.cpu_gemm import few_rows_multiple, pack_cpu_linears
@@ -174,7 +184,11 @@ def _apply_cuda(model: CausalLM) -> FastPaths:
     fused_qkv = done.num_attention > 0 and done.attention == done.num_attention
     qkv = _route(done.attention, done.num_attention, "cuda")
     mlp = "cuda" if done.mlps else "torch"
-    gemm = GemmRoutes(qkv=qkv, o_proj=qkv, gate_up=mlp, down_proj=mlp, lm_head="cuda")
+    layers = model.model.layers
+    attn = [layer.self_attn for layer in layers]
+    mlps = [layer.mlp for layer in layers if isinstance(layer.mlp, GatedMLP)]
+    gemm = GemmRoutes(qkv=_fp8(attn, "q_proj", qkv), o_proj=_fp8(attn, "o_proj", qkv),
+                      gate_up=_fp8(mlps, "gate_proj", mlp), down_proj=_fp8(mlps, "down_proj", mlp), lm_head="cuda")
     return FastPaths(kernels="triton", fused_qkv=fused_qkv, fused_gate_up=done.mlps > 0, residual_in_norm=done.decoder,
                      sampled_rows_only=done.decoder and model.model.layers[-1].self_attn.fast_forward is not None,
                      gemm=gemm, packed_weights=0, few_rows_multiple=ROW_MULTIPLE)

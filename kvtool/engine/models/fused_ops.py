@@ -17,7 +17,9 @@ module's `fast_forward` field (and the LM head's `logits_product`) to the forwar
   experts through `kernels.fused_moe` over weights stacked per block (`SparseMoeBlock.stack_experts`);
 * every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or where the
   step asks for it a kernel whose rows do not depend on the row count: the projections read
-  that from the step's `AttentionMetadata.row_invariant`, the LM head from `compute_logits`).
+  that from the step's `AttentionMetadata.row_invariant`, the LM head from `compute_logits`);
+  the FP8 projections of an FP8 checkpoint (`fp8_linear.Fp8Linear`) through `kernels.fp8_gemm`,
+  stacked the same way (their FP8 weights and scales).
 
 On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one all-reduce
 (`RowParallelLinear.reduce` after the bias-free GEMM); the embedding is the module's own.
@@ -39,12 +41,15 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.kernels.attention import attend, attend_rows, current_metadata
+from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.fused_moe import fused_experts
 from kvtool.engine.kernels.row_invariant_gemm import linear
+from kvtool.engine.models.fp8_linear import Fp8Linear, concat_fp8_linears
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.moe import SparseMoeBlock
 from kvtool.engine.models.parallel import RowParallelLinear
+from kvtool.engine.models.quantization import FP8_DTYPE
 
 
 @triton.jit
@@ -266,11 +271,20 @@ def _step_row_invariant() -> bool:
     return current_metadata().row_invariant
 
 
-def _project_out(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _project_out(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """o_proj / down_proj of x; a row-parallel one sums its partial product over the ranks."""
     if isinstance(proj, RowParallelLinear):
         return proj.reduce(linear(x, proj.weight, None, row_invariant=_step_row_invariant()))
-    return linear(x, proj.weight, proj.bias, row_invariant=_step_row_invariant())
+    weight = proj.fp8_weight if isinstance(proj, Fp8Linear) else proj.weight
+    return linear(x, weight, proj.bias, row_invariant=_step_row_invariant())
+
+
+def _stacked_weights(linears: list[nn.Module]) -> torch.Tensor | Fp8Weight:
+    """The linears' weights as one [sum(out), in] operand (their own weights become views of it):
+    dense, or FP8 where they are `Fp8Linear`s."""
+    if all(isinstance(m, Fp8Linear) for m in linears):
+        return concat_fp8_linears(linears)
+    return concat_linear_params(linears, "weight")
 
 
 def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
@@ -388,9 +402,10 @@ def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, position
 
 
 def can_fuse(model: nn.Module) -> bool:
-    """Whether the model's parameters are all on CUDA in bf16/fp16 (the kernels' only case)."""
+    """Whether the model's parameters are all on CUDA in bf16/fp16 (the kernels' only case), FP8
+    projection weights (`Fp8Linear`) aside."""
     params = list(model.parameters())
-    return bool(params) and all(p.is_cuda and p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    return bool(params) and all(p.is_cuda and p.dtype in (torch.bfloat16, torch.float16, FP8_DTYPE) for p in params)
 
 
 class FusedModules(NamedTuple):
@@ -418,10 +433,12 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
             # Its pieces (`decoder_input`, `layer_output`) also serve prefill_graphs.
             module.fast_forward = _fused_decoder_forward
             decoder = True
+        elif isinstance(module, Fp8Linear):
+            module.fp8_weight = module.fp8()  # o_proj, down_proj (q/k/v, gate/up: stacked below)
         elif isinstance(module, RMSNorm):
             module.fast_forward = _fused_rms_forward
         elif isinstance(module, GatedMLP):
-            module.gate_up_weight = concat_linear_params([module.gate_proj, module.up_proj], "weight")
+            module.gate_up_weight = _stacked_weights([module.gate_proj, module.up_proj])
             module.fast_forward = _fused_mlp_forward
             mlps += 1
         elif isinstance(module, SparseMoeBlock):
@@ -432,7 +449,7 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
             num_attention += 1
             if module.head_dim % 2 == 0:
                 projections = [module.q_proj, module.k_proj, module.v_proj]
-                module.qkv_weight = concat_linear_params(projections, "weight")
+                module.qkv_weight = _stacked_weights(projections)
                 module.qkv_bias = concat_linear_params(projections, "bias")
                 module.fast_forward = _fused_attention_forward
                 attention += 1

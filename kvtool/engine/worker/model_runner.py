@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -238,13 +239,17 @@ class ModelRunner:
         first request: a full hit's one row and a partial hit's rows over a cached prefix, and one
         row count for every tile configuration of the row-invariant GEMMs below cuBLAS's rows
         (`warm_up_rows`), each with its logits. Their K/V land in page blocks no request holds yet."""
+        from kvtool.engine.kernels.fp8_gemm import WARM_UP_ROWS
         from kvtool.engine.kernels.row_invariant_gemm import warm_up_rows
 
         bs = self.block_size
         # The projections' output widths (the LM head sees the sampled rows alone).
         widths = {p.shape[0] for name, p in self.model.named_parameters()
                   if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
-        shapes = [(1, bs), (bs + 1, bs)] + [(rows, 0) for rows in warm_up_rows(widths, num_sms)]
+        rows = set(warm_up_rows(widths, num_sms))
+        if "fp8" in msgspec.structs.asdict(self.fast_paths.gemm).values():
+            rows.update(WARM_UP_ROWS)
+        shapes = [(1, bs), (bs + 1, bs)] + [(n, 0) for n in sorted(rows)]
         no_decode = decode_rows([], [], bs)
         for rows, prefix in shapes:
             blocks = -(-(prefix + rows) // bs)

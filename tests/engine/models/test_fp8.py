@@ -23,6 +23,7 @@ from kvtool.engine.models.model_dir import open_model_dir, parse_config
 from kvtool.engine.models.quantization import FP8_DTYPE, dequantize, identity_name
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.catalog import PRESETS, create_model_dir, write_random_model_dir
+from tests.support.fp8_checkpoint import dense_copy
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -64,33 +65,6 @@ def _one_line(excinfo) -> str:
 
 def _params(model, **overrides) -> EngineParams:
     return EngineParams(**{"model": str(model), "device": "cpu", "kv_cache_memory": 64 << 20, **overrides})
-
-
-def _dense_copy(src, dest) -> None:
-    """`src` rewritten as an unquantised checkpoint of the same model: every FP8 weight times its
-    scale, computed here from the file (not by kvtool's loader), in float32."""
-    tensors = load_file(str(src / "model.safetensors"))
-    dense = {}
-    for name, value in tensors.items():
-        if name.endswith(("_scale", "_scale_inv")):
-            continue
-        if value.dtype == FP8_DTYPE:
-            scale = tensors.get(f"{name}_scale_inv", tensors.get(f"{name}_scale"))
-            if scale.shape == value.shape[:1] + (1,) or scale.numel() == 1:
-                value = value.float() * scale.float()
-            else:  # blocks: each scale over its rows and columns
-                rows, cols = -(-value.shape[0] // scale.shape[0]), -(-value.shape[1] // scale.shape[1])
-                full = scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-                value = value.float() * full[: value.shape[0], : value.shape[1]]
-        dense[name] = value
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            (dest / f.name).write_bytes(f.read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    del config["quantization_config"]
-    (dest / "config.json").write_text(json.dumps(config))
-    save_file(dense, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _transformers_greedy(path, prompt: list[int]) -> list[int]:
@@ -162,7 +136,7 @@ def test_checkpoint_is_stored_as_fp8_and_loads_as_transformers_dequantises_it(di
 def test_greedy_tokens_equal_transformers_and_the_dense_checkpoint(dirs, tmp_path):
     with LLMEngine(_params(dirs / "tiny-fp8", max_num_batched_tokens=32)) as engine:
         fp8 = engine.generate(PROMPTS, GREEDY)
-    _dense_copy(dirs / "tiny-fp8", tmp_path / "dense")
+    dense_copy(dirs / "tiny-fp8", tmp_path / "dense")
     with LLMEngine(_params(tmp_path / "dense", max_num_batched_tokens=32)) as engine:
         dense = engine.generate(PROMPTS, GREEDY)
     for prompt, a, b in zip(PROMPTS, fp8, dense, strict=True):
@@ -179,11 +153,41 @@ def test_compressed_tensors_loads_as_its_dense_reference(tmp_path):
     with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.layers.1.mlp.up_proj.weight_scale").get_shape() == [768, 1]
         assert f.get_slice("lm_head.weight").get_dtype() == "F32"  # ignored
-    _dense_copy(tmp_path / "ct", tmp_path / "dense")
+    dense_copy(tmp_path / "ct", tmp_path / "dense")
     with LLMEngine(_params(tmp_path / "ct")) as engine:
         ct = engine.generate(PROMPTS, GREEDY)
     for prompt, result in zip(PROMPTS, ct, strict=True):
         assert result.output_token_ids == _transformers_greedy(tmp_path / "dense", prompt)
+
+
+@pytest.mark.parametrize("ct", [False, True], ids=["block", "compressed-tensors-channel"])
+def test_fp8_projections_kept_as_stored_compute_the_dequantised_models_bits(tmp_path, monkeypatch, ct):
+    # Where a GPU has FP8 tensor cores the projections stay FP8 (`Fp8Linear`); here the module's own
+    # forward (dequantise, then the dense product) runs on the CPU in bf16, so its bits must be
+    # those of the model whose weights were dequantised as they loaded.
+    from kvtool.engine.models import fp8_linear
+    from tests.support.paged_sequence import greedy_run
+
+    path = tmp_path / "m"
+    if ct:
+        config = {**PRESETS["tiny"].hf_config, "tie_word_embeddings": False, "quantization_config": COMPRESSED_TENSORS}
+        write_random_model_dir(path, config, seed=1)
+    else:
+        create_model_dir(path, preset="tiny-fp8", seed=0)
+    md = open_model_dir(path)
+    dense = build_model(md, "cpu", torch.bfloat16, "auto")
+    monkeypatch.setattr(fp8_linear, "supported_device", lambda device: True)
+    kept = build_model(md, "cpu", torch.bfloat16, "auto")
+    fp8 = [m for m in kept.modules() if isinstance(m, fp8_linear.Fp8Linear)]
+    assert len(fp8) == 7 * md.config.num_layers and all(m.weight.dtype == FP8_DTYPE for m in fp8)
+    assert all(m.weight_scale.dim() == 2 and m.weight_scale.dtype == torch.float32 for m in fp8)
+    prompt = PROMPTS[0]
+    want = greedy_run(dense, md.config, prompt, 8)
+    got = greedy_run(kept, md.config, prompt, 8)
+    assert got[1] == want[1] and torch.equal(got[0], want[0])
+    # Dummy weights are quantised as the checkpoint's scheme would store them.
+    dummy = build_model(md.config, "cpu", torch.bfloat16, "dummy", seed=4)
+    assert sum(isinstance(m, fp8_linear.Fp8Linear) for m in dummy.modules()) == len(fp8)
 
 
 def _tamper(path, edit) -> None:

@@ -1,0 +1,100 @@
+"""Products of FP8 checkpoint weights on CUDA: float8_e4m3fn tensor cores, rows independent of the row count.
+
+A projection of an FP8 checkpoint keeps its weight as stored (`Fp8Weight`: float8_e4m3fn [N, K]
+and its float32 scales) and `fp8_mm(x, w)` multiplies activations [M, K] by it in one Triton
+kernel, the scheme of the block-wise FP8 releases (DeepSeek, Qwen) as vLLM and transformers'
+fine-grained FP8 compute it:
+
+    for each K group of GROUP (128) columns, in K order:
+        the activations' group is quantised per row: scale s_a = max(|x|, 1e-10) / 448, x / s_a in FP8
+        acc += dot(x_fp8, w_fp8) * s_a[row] * s_w[col, group]      (the dot on the tensor cores)
+
+Weight scales are per block (`weight_block_size`, the block's K side a multiple of GROUP), per
+output channel, or per tensor (given as one scale per channel). Activations are always quantised
+per row and group, finer than a checkpoint's per-token scheme asks, never coarser.
+
+Every output element is one float32 sum over the groups in K order, each group's dot computed
+alone and scaled before it is added: nothing depends on the tile shape or on the rows beside
+a row, so one kernel serves every row count (a decode step, a prefill, a full hit's last rows)
+with the same bits. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
+bf16's rate, so both decode (bandwidth-bound) and prefill (compute-bound) gain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
+from kvtool.engine.kernels.row_invariant_gemm import sm_count
+
+# Row counts that between them reach every tile configuration of `config_for` (the runner's
+# warm-up compiles them before the first request).
+WARM_UP_ROWS = (1, 17, 65, 257)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c, stride_sn, stride_sk,
+                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """c = a @ (w * s).T, a [M, K] quantised per row and BK-group, w [N, K] FP8; grouped tile order."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group = min(tiles_m - first_m, GROUP_M)
+    pm = first_m + (pid % width) % group
+    pn = (pid % width) // group
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_p = a_ptr + rm[:, None].to(tl.int64) * stride_a + rk[None, :]
+    w_p = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    s_p = s_ptr + (rn // SCALE_ROWS) * stride_sn
+    m_ok = rm[:, None] < M
+    n_ok = rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + rk)[None, :] < K
+        a = tl.load(a_p, mask=m_ok & k_ok, other=0.0).to(tl.float32)
+        a_s = tl.maximum(tl.max(tl.abs(a), 1), 1e-10) / 448.0
+        a_q = tl.clamp(a / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
+        w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(a_q, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+        a_p += BK
+        w_p += BK
+    c_p = c_ptr + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
+    tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+
+
+def config_for(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns; the bits are the same
+    for every choice, so it is speed alone. Few rows: narrow tiles so every SM streams weights."""
+    if rows <= 16:
+        return (16, 64, 4, 4) if triton.cdiv(n, 64) >= 2 * num_sms else (16, 32, 4, 4)
+    if rows <= 64:
+        return (64, 64, 4, 4) if triton.cdiv(n, 64) >= num_sms else (64, 32, 4, 4)
+    if rows <= 256:
+        return 64, 128, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) @ the FP8 weight [N, K].T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.data.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return c
+    bm, bn, warps, stages = config or config_for(m, n, sm_count(x.device))
+    stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _fp8_gemm_kernel[grid](x, w.data, w.scale, c, m, n, k, x.stride(0), w.data.stride(0), c.stride(0),
+                           w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows, SCALE_COLS=w.scale_cols,
+                           BM=bm, BN=bn, BK=GROUP, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return c

@@ -1,0 +1,119 @@
+"""`kernels.fp8_gemm` on the GPU: FP8 checkpoint weights (block, per-channel and per-tensor scales)
+multiplied on the FP8 tensor cores.
+
+- a row's bits are the same at every row count (1 to 2048), under every tile configuration, and
+  inside a CUDA graph;
+- the result is the quantised product, computed exactly in float64 from the same FP8 operands
+  and scales, within float32 accumulation error;
+- stacked weights (q/k/v, gate/up; block scales kept or spread per row) give each part's product.
+Skipped without CUDA or without FP8 tensor cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a CUDA device with FP8 tensor cores"),
+]
+
+DEV = torch.device("cuda")
+ROW_COUNTS = (1, 2, 3, 8, 17, 64, 65, 256, 257, 1024, 2048)
+CONFIGS = ((16, 32, 4, 4), (16, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 3))
+
+
+def weight(n: int, k: int, strategy: str, seed: int = 0):
+    from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
+    from kvtool.engine.models.quantization import WeightQuantization, quantize
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    dense = torch.randn(n, k, device=DEV, generator=g) / math.sqrt(k)
+    if strategy == "block":
+        q = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))
+        data, scale = quantize(dense, q)
+        return Fp8Weight(data, scale, 128, 128)
+    q = WeightQuantization(method="fp8", weight_strategy="channel" if strategy == "channel" else "tensor")
+    data, scale = quantize(dense, q)
+    return Fp8Weight(data, scale.reshape(-1, 1).expand(n, 1).contiguous(), 1, GROUP)
+
+
+def exact(x: torch.Tensor, w) -> torch.Tensor:
+    """The quantised product in float64: activations quantised per row and 128-group as the kernel
+    does, each group's FP8 dot exact, scaled and summed in K order."""
+    xf = x.float()
+    out = torch.zeros(x.shape[0], w.data.shape[0], dtype=torch.float64, device=DEV)
+    wd = w.data.double()
+    for g0 in range(0, x.shape[1], 128):
+        a = xf[:, g0 : g0 + 128]
+        a_s = a.abs().amax(1).clamp(min=1e-10) / 448.0
+        a_q = (a / a_s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        col = g0 // w.scale_cols if w.scale.shape[1] > 1 else 0
+        w_s = w.scale[:, col].double().repeat_interleave(w.scale_rows)[: wd.shape[0]]
+        out += (a_q @ wd[:, g0 : g0 + 128].T) * a_s.double()[:, None] * w_s[None, :]
+    return out
+
+
+@pytest.mark.parametrize("n,k,strategy", [
+    (6144, 4096, "block"),  # Qwen3-8B's q/k/v
+    (1000, 640, "channel"),  # ragged: N past a 128 block, K a multiple of the group
+    (384, 200, "block"),  # K ragged inside its last group
+    (512, 1024, "tensor"),
+])
+def test_rows_are_the_same_at_every_row_count_and_tile(n, k, strategy):
+    from kvtool.engine.kernels.fp8_gemm import fp8_mm
+
+    w = weight(n, k, strategy)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(max(ROW_COUNTS), k, device=DEV, generator=g).bfloat16()
+    full = fp8_mm(x, w)
+    ref = exact(x, w)
+    err = (full.double() - ref).abs().max().item()
+    # bf16 output rounding (2^-8 relative) and float32 sums, nothing like FP8 error (2^-4)
+    assert err <= 2**-7 * ref.abs().max().item(), err
+    for m in ROW_COUNTS:
+        assert torch.equal(fp8_mm(x[:m], w), full[:m]), m
+        assert torch.equal(fp8_mm(x[-m:], w), full[-m:]), m
+    for config in CONFIGS:
+        assert torch.equal(fp8_mm(x[:300], w, config), full[:300]), config
+
+
+def test_captured_in_a_cuda_graph_it_gives_the_eager_bits():
+    from kvtool.engine.kernels.fp8_gemm import fp8_mm
+
+    w = weight(2048, 1024, "block")
+    x = torch.randn(64, 1024, device=DEV).bfloat16()
+    full = fp8_mm(x, w)
+    xs = x[:4].clone()
+    fp8_mm(xs, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_mm(xs, w)
+    xs.copy_(x[40:44])
+    graph.replay()
+    assert torch.equal(out, full[40:44])
+
+
+@pytest.mark.parametrize("shapes", [
+    [(512, 256, "block"), (128, 256, "block"), (128, 256, "block")],  # whole blocks: block scales kept
+    [(320, 256, "block"), (64, 256, "block")],  # a part ends inside a block: spread per row
+    [(256, 512, "channel"), (256, 512, "block")],  # one scale over K beside K groups
+])
+def test_stacked_weights_give_each_parts_product(shapes):
+    from kvtool.engine.kernels.fp8_gemm import fp8_mm
+    from kvtool.engine.kernels.fp8_weight import concat
+
+    parts = [weight(n, k, s, seed=i) for i, (n, k, s) in enumerate(shapes)]
+    whole = concat(parts)
+    x = torch.randn(33, shapes[0][1], device=DEV).bfloat16()
+    y = fp8_mm(x, whole)
+    at = 0
+    for w in parts:
+        n = w.data.shape[0]
+        assert torch.equal(y[:, at : at + n], fp8_mm(x, w))
+        at += n
