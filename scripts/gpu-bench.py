@@ -21,6 +21,9 @@ Sections:
   models      other architectures with the default settings: Qwen2.5-7B (cold prefill 8k, batch-1
               TPOT), Qwen3-8B in bf16 and as a block-wise FP8 checkpoint (the same two), Qwen3-30B-A3B
               (batch-1 TPOT, throughput on the `throughput` workload); --quick: Qwen2.5-7B and the MoE
+  profile     where a batch-1 decode step of Qwen3-8B spends its GPU time, batch-invariant (the
+              default) and not: torch.profiler over 64 decode steps at 2k context, the kernels by
+              total time (printed; one row per mode with the step's summed kernel time)
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
               local in-memory server in a separate process (tests/support/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
@@ -1080,10 +1083,51 @@ def section_lm():
         server.kill()
 
 
+# ---- profile -----------------------------------------------------------------------------------
+
+PROFILE_STEPS = 64
+
+
+def section_profile():
+    """torch.profiler over one request's decode steps per mode: each kernel's total and per-step
+    time, the top ones printed, the summed kernel time per step recorded."""
+    import gc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvtool.engine.params import SamplingParams
+
+    sp = SamplingParams(max_tokens=PROFILE_STEPS + 1, temperature=0.0, ignore_eos=True)
+    prompt = tokens(2048, 5)
+    for invariant in (True, False):
+        engine = make_engine("qwen3-8b", enable_prefix_caching=False, batch_invariant=invariant, max_model_len=4096)
+        engine.generate([prompt], sp)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate([prompt], sp)
+        engine.close()
+        rows = []
+        for event in prof.key_averages():
+            total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if total_us > 0:
+                rows.append((total_us, event.count, event.key))
+        rows.sort(reverse=True)
+        mode = "batch-invariant" if invariant else "--no-batch-invariant"
+        kernels_us = sum(r[0] for r in rows if not r[2].startswith(("cudaGraph", "Memcpy", "Memset")))
+        print(f"# profile {mode}: kernels {kernels_us / PROFILE_STEPS / 1e3:.3f} ms per step", flush=True)
+        for total_us, count, name in rows[:25]:
+            print(f"#   {total_us / PROFILE_STEPS:9.1f} us/step  {count:6d}x  {name[:110]}", flush=True)
+        record("profile", f"Qwen3-8B decode step kernel time, batch 1, {mode}", kernels_us / PROFILE_STEPS / 1e3,
+               "ms", None, top=[[round(t / PROFILE_STEPS, 1), c, n[:110]] for t, c, n in rows[:25]])
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
-    "models": section_models,
+    "models": section_models, "profile": section_profile,
 }
 
 
