@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
-from kvtool.engine.kernels.row_invariant_gemm import sm_count
+from kvtool.engine.kernels.row_invariant_gemm import grouped_tile, sm_count
 
 # Row counts that between them reach every tile configuration of `config_for` (the runner's
 # warm-up compiles them before the first request).
@@ -39,14 +39,7 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_a, stride_w, st
                      SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """c = a @ (w * s).T, a [M, K] quantised per row and BK-group, w [N, K] FP8; grouped tile order."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group = min(tiles_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % group
-    pn = (pid % width) // group
+    pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

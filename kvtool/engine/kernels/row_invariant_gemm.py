@@ -37,20 +37,25 @@ CUBLAS_MIN_ROWS = 1024
 CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)),
            (CUBLAS_MIN_ROWS, (128, 128, 64, 8, 4)))
 
+@triton.jit
+def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles walk the
+    column tiles together, so consecutive programs share weight tiles in the cache."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group = min(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group, (pid % width) // group
+
+
 # M is not specialized: one compiled kernel per tile configuration serves every row count (one
 # row, a multiple of 16 or any other), so a step of a new row count never compiles mid-request.
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """c = a @ w.T for a [M, K], w [N, K]; grouped tile order so consecutive programs share w tiles."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group = min(tiles_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % group
-    pn = (pid % width) // group
+    pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

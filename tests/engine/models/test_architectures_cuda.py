@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtool.engine.params import SamplingParams
+from tests.support.batch_invariance import tokens
 
 pytestmark = [
     pytest.mark.cuda,
@@ -36,11 +36,6 @@ MOE = {"tiny-mixtral", "tiny-qwen3-moe"}
 # bf16 logits of these 4-layer models (their logits spread about 1) against transformers' bf16
 # ones: rounding differs in every product, not more.
 LOGIT_ATOL = 0.08
-SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return [(i * 37 + 11 * seed) % 250 + 3 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -150,19 +145,12 @@ def test_logits_and_greedy_tokens_against_transformers_on_the_gpu(model_dirs, na
 def test_each_architecture_is_batch_invariant_with_graphs(model_dirs, name):
     from kvtool.engine.engine import LLMEngine
     from kvtool.engine.params import EngineParams
+    from tests.support.batch_invariance import alone_equals_batched
 
     engine = LLMEngine(EngineParams(model=str(model_dirs[name]), device="cuda", dtype="bfloat16", num_gpu_blocks=400,
                                     max_model_len=2000, batch_invariant=True, enable_prefix_caching=False))
     try:
-        worker = engine.executor.worker
-        assert worker.runner.graphs is not None
-        targets = [tokens(300, 2), tokens(45, 3)]
-        alone = [(r.output_token_ids, r.logprobs) for r in engine.generate(targets, SP)]
-        for n in (3, 20):
-            others = [tokens(20 + (i * 97) % 700, 10 + i) for i in range(n)]
-            batch = engine.generate(others + targets, SP)
-            assert [(r.output_token_ids, r.logprobs) for r in batch[-2:]] == alone, n
-        assert sum(worker.runner.graphs.replays.values()), "no decode step replayed a graph"
+        alone_equals_batched(engine)
     finally:
         engine.close()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.engine.params import SamplingParams
+from tests.support.batch_invariance import tokens
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,12 +31,7 @@ DEV = torch.device("cuda")
 FP8_ATOL = 0.75
 # Against transformers' FP8 model: the same quantisation, bf16 rounding elsewhere.
 FP8_SAME_SCHEME_ATOL = 0.15
-SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return [(i * 37 + 11 * seed) % 250 + 3 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +109,16 @@ def test_fp8_projections_compute_in_fp8_against_transformers_and_the_dense_check
 def test_fp8_model_is_batch_invariant_with_graphs_and_hits_give_its_bits(fp8_dir):
     from kvtool.engine.engine import LLMEngine
     from kvtool.engine.params import EngineParams
+    from tests.support.batch_invariance import SP, TARGETS, alone_equals_batched
 
     engine = LLMEngine(EngineParams(model=str(fp8_dir), device="cuda", dtype="bfloat16", num_gpu_blocks=400,
                                     max_model_len=2000, batch_invariant=True, enable_prefix_caching=True))
     try:
-        worker = engine.executor.worker
-        assert worker.fast_paths.gemm.qkv == "fp8" and worker.runner.graphs is not None
-        targets = [tokens(300, 2), tokens(45, 3)]
-        alone = [(r.output_token_ids, r.logprobs) for r in engine.generate(targets, SP)]
-        again = engine.generate(targets, SP)  # the prompts' blocks now come from the prefix cache
+        assert engine.executor.worker.fast_paths.gemm.qkv == "fp8"
+        alone = [(r.output_token_ids, r.logprobs) for r in engine.generate(TARGETS, SP)]
+        again = engine.generate(TARGETS, SP)  # the prompts' blocks now come from the prefix cache
         assert [(r.output_token_ids, r.logprobs) for r in again] == alone
         assert all(r.stats.num_cached_tokens > 0 for r in again)
-        for n in (3, 20):
-            others = [tokens(20 + (i * 97) % 700, 10 + i) for i in range(n)]
-            batch = engine.generate(others + targets, SP)
-            assert [(r.output_token_ids, r.logprobs) for r in batch[-2:]] == alone, n
-        assert sum(worker.runner.graphs.replays.values()), "no decode step replayed a graph"
+        alone_equals_batched(engine)
     finally:
         engine.close()

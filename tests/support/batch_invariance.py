@@ -1,0 +1,26 @@
+"""The CUDA batch-invariance check the architecture tests share: a request's tokens and logprobs
+alone equal those it gets batched with others, with decode graphs replayed."""
+
+from __future__ import annotations
+
+from kvtool.engine.params import SamplingParams
+
+SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(i * 37 + 11 * seed) % 250 + 3 for i in range(n)]
+
+
+TARGETS = [tokens(300, 2), tokens(45, 3)]
+
+
+def alone_equals_batched(engine) -> None:
+    """TARGETS alone, then at the end of batches of 3 and 20 other prompts: the same results."""
+    alone = [(r.output_token_ids, r.logprobs) for r in engine.generate(TARGETS, SP)]
+    for n in (3, 20):
+        others = [tokens(20 + (i * 97) % 700, 10 + i) for i in range(n)]
+        batch = engine.generate(others + TARGETS, SP)
+        assert [(r.output_token_ids, r.logprobs) for r in batch[-2:]] == alone, n
+    graphs = engine.executor.worker.runner.graphs
+    assert graphs is not None and sum(graphs.replays.values()), "no decode step replayed a graph"
