@@ -379,7 +379,8 @@ def kernel_fp8_gemm(sweep: bool = False) -> None:
 
     from kvtool.engine.kernels.fp8_gemm import config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
-    from kvtool.engine.kernels.row_invariant_gemm import linear, sm_count
+    from kvtool.engine.kernels.row_invariant_gemm import linear
+    from kvtool.engine.kernels.tiles import sm_count
     from kvtool.engine.models.quantization import WeightQuantization, quantize
 
     q = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))

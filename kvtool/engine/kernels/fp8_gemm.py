@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
-from kvtool.engine.kernels.row_invariant_gemm import grouped_tile, sm_count
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count
 
 # Row counts that between them reach every tile configuration of `config_for` (the runner's
 # warm-up compiles them before the first request).

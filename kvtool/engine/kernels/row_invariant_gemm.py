@@ -26,8 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvtool.engine.kernels.fp8_gemm import fp8_mm
 from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.gemv import gemv, gemv_fits
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count
 
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
 CUBLAS_MIN_ROWS = 1024
@@ -36,18 +38,6 @@ CUBLAS_MIN_ROWS = 1024
 # last for any); they all give the same bits, so the choice is speed alone.
 CONFIGS = ((16, (16, 32, 128, 4, 4)), (32, (32, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 4)),
            (CUBLAS_MIN_ROWS, (128, 128, 64, 8, 4)))
-
-@triton.jit
-def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles walk the
-    column tiles together, so consecutive programs share weight tiles in the cache."""
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group = min(tiles_m - first_m, GROUP_M)
-    return first_m + (pid % width) % group, (pid % width) // group
-
 
 # M is not specialized: one compiled kernel per tile configuration serves every row count (one
 # row, a multiple of 16 or any other), so a step of a new row count never compiles mid-request.
@@ -133,16 +123,6 @@ def warm_up_rows(widths: set[int], num_sms: int) -> list[int]:
     return rows_needed
 
 
-_num_sms: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
-
-
 def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """a [M, K] @ w [N, K].T without split-K (rows independent of M and of the tile shape)."""
     m, k = a.shape
@@ -167,8 +147,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor
     bias is then added after the product, by one elementwise add on either path). An FP8
     checkpoint's weight (`Fp8Weight`) goes to `fp8_gemm`, whose rows are invariant at every count."""
     if isinstance(weight, Fp8Weight):
-        from kvtool.engine.kernels.fp8_gemm import fp8_mm
-
         y = fp8_mm(x, weight)
         return y if bias is None else y.add_(bias)
     if not row_invariant:
