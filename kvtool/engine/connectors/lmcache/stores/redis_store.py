@@ -8,19 +8,22 @@ two keys per chunk, the key string with a suffix and no separator,
                        [length, fmt, dtype code, shape x4], 28 bytes for one KV group; SET second
 
 so a reader that sees the metadata finds the payload. `exists` checks the metadata key. A load
-reads the metadata, checks it against the buffer and the expected chunk before the payload is
-read, then reads the payload; a metadata key whose payload is gone (evicted) is deleted and is a
-miss, as LMCache does. Partial chunks keep their own shape. No TTL.
+asks for both keys at once (pipelined on the raw connections, resp_pool.py), reads the metadata
+reply and checks it against the buffer and the expected chunk, and only then reads the payload
+reply, straight into the buffer; a payload that does not match is read past and the chunk fails.
+A metadata key whose payload is gone (evicted) is deleted and is a miss, as LMCache does.
+Partial chunks keep their own shape. No TTL.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
 from kvtool.engine.connectors.lmcache.stores.resp_base import RespStore, logger
+from kvtool.engine.connectors.lmcache.stores.resp_pool import ItemReplies, PendingGet
 from kvtool.engine.connectors.lmcache.stores.store import Buffer
 from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
 
@@ -28,6 +31,8 @@ KV_SUFFIX = "kv_bytes"
 METADATA_SUFFIX = "metadata"
 # length, fmt, then (dtype code, 4 dims) per KV group; "i" * 7 in LMCache (native order and size).
 REMOTE_METADATA = struct.Struct("=7i")
+# A metadata value longer than this is not read (LMCache's holds 8 + 20 bytes per KV group).
+MAX_METADATA_BYTES = 1 << 20
 _FORMAT_CODES = frozenset(int(m) for m in MemoryFormat)
 
 
@@ -79,28 +84,38 @@ class RedisStore(RespStore):
             return []
         return self.run("EXISTS", lambda: self.exists_pipelined([k + METADATA_SUFFIX for k in keys]))
 
-    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
-        """The metadata key, checked, then the payload (see the module doc)."""
+    def item_keys(self, key: str) -> tuple[str, ...]:
+        return key + METADATA_SUFFIX, key + KV_SUFFIX
+
+    def read_item(self, item: PendingGet, replies: ItemReplies) -> ChunkHeader | None:
+        """The metadata reply, checked, then the payload reply into the buffer (see the module doc)."""
+        key, target, expected = item.key, item.target, item.expected
+        size = replies.size(0)
+        if size is None:
+            return None
+        if size > MAX_METADATA_BYTES:
+            raise PeerError(f"metadata of chunk {key} is {size} bytes, not LMCache's RemoteMetadata")
+        raw = replies.body(0)
+        capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
+        header = decode_metadata(raw, capacity, key)
+        if expected is not None:
+            for name in ("fmt", "dtype_code", "shape", "length"):
+                want, got = getattr(expected, name), getattr(header, name)
+                if want != got:
+                    raise KVRefused(f"chunk {key} {name}: expected {want}, found {got}")
+        size = replies.size(1)
+        if size is None:
+            # The payload was evicted (or never landed): LMCache deletes the orphan metadata.
+            self.run("DEL", lambda: self._delete(key + METADATA_SUFFIX))
+            return None
+        if size != header.length:
+            raise PeerError(f"chunk {key} payload is {size} bytes, its metadata says {header.length}")
+        replies.body_into(1, target[: header.length])
+        return header
+
+    async def _delete(self, key: str) -> None:
         async with self.lease() as client:
-            raw = await client.get(key + METADATA_SUFFIX)
-            if raw is None:
-                return None
-            capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
-            header = decode_metadata(raw, capacity, key)
-            if expected is not None:
-                for name in ("fmt", "dtype_code", "shape", "length"):
-                    want, got = getattr(expected, name), getattr(header, name)
-                    if want != got:
-                        raise KVRefused(f"chunk {key} {name}: expected {want}, found {got}")
-            payload = await client.get(key + KV_SUFFIX)
-            if payload is None:
-                # The payload was evicted (or never landed): LMCache deletes the orphan metadata.
-                await client.delete(key + METADATA_SUFFIX)
-                return None
-            if len(payload) != header.length:
-                raise PeerError(f"chunk {key} payload is {len(payload)} bytes, its metadata says {header.length}")
-            target[: header.length] = payload
-            return header
+            await client.delete(key)
 
     def put_many(self, items: Sequence[tuple[str, Buffer, ChunkHeader]]) -> list[bool]:
         """Store each chunk: payload first, metadata second. A failed item is logged and False."""
@@ -110,17 +125,19 @@ class RedisStore(RespStore):
 
         def put_one(item: tuple[str, Buffer, ChunkHeader]) -> bool:
             key, payload, header = item
+            view = memoryview(payload).cast("B")
             try:
-                return self.run("SET", lambda: self._put(key, memoryview(payload).cast("B"), header))
+                self.raw.execute("SET", lambda ok: self._put(ok, key, view, header))
+                return True
             except KVToolError as e:
                 logger.warning("%s", e)
                 return False
 
         return self.striped(items, put_one)
 
-    async def _put(self, key: str, payload: memoryview, header: ChunkHeader) -> bool:
-        # In this order, so that a reader that finds the metadata finds the payload too (the two
-        # keys may live on different cluster nodes, so they are two round trips, not a pipeline).
-        async with self.lease() as client:
-            stored = await client.set(key + KV_SUFFIX, payload)
-            return bool(stored) and bool(await client.set(key + METADATA_SUFFIX, encode_metadata(header)))
+    @staticmethod
+    def _put(ok: Callable[..., None], key: str, payload: memoryview, header: ChunkHeader) -> None:
+        # In this order, each confirmed before the next is sent, so that a reader that finds the
+        # metadata finds the payload too (the two keys may live on different cluster nodes).
+        ok(key + KV_SUFFIX, "SET", key + KV_SUFFIX, payload)
+        ok(key + METADATA_SUFFIX, "SET", key + METADATA_SUFFIX, encode_metadata(header))

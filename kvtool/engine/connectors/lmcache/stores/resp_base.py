@@ -1,5 +1,6 @@
-"""What the Redis-protocol stores share: a redis-py asyncio client on a loop of its own, deadlines,
-one-line errors without credentials, and striping of many chunks over a few connections.
+"""What the Redis-protocol stores share: a redis-py asyncio client on a loop of its own for commands,
+raw connections for chunk payloads, deadlines, one-line errors without credentials, and striping
+of many chunks over a few connections.
 
 The client (a standalone `redis.asyncio.Redis` on a connection pool, or a
 `redis.asyncio.cluster.RedisCluster`) lives on an event loop in a daemon thread. Callers stay
@@ -7,6 +8,12 @@ synchronous: each operation is submitted to the loop under `asyncio.wait_for(...
 a store that answers slowly, trickles bytes or stops answering mid-reply is cut off at the
 deadline (the cancelled command drops its connection) and nothing waits longer. Connection
 errors are retried once, on a fresh connection (a restarted server); timeouts are not retried.
+
+Chunk payloads (GET into the callers' buffers, SET from their memory) bypass redis-py: they travel
+over raw RESP connections (resp_wire.py, resp_pool.py) that read each bulk reply straight into its
+buffer and write each payload from its own memory, with the same deadlines, retry and error
+lines. redis-py still tells them where a key lives: the master a Sentinel names, the node that
+owns a cluster slot (its slot map, reloaded after a -MOVED).
 
 Many-chunk calls stripe their items as the lm:// client does: stripe g takes items g, g+N, ...
 in order on its own thread, so a caller's `before_item` may block (waiting for a ring buffer to
@@ -24,7 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+from kvtool.engine.connectors.lmcache.stores.connection import describe_error
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
+from kvtool.engine.connectors.lmcache.stores.resp_pool import ItemReplies, PendingGet, RawPool
+from kvtool.engine.connectors.lmcache.stores.resp_wire import Endpoint, ReplyError
 from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
 from kvtool.engine.errors import ConfigError, KVToolError, PeerError
 
@@ -37,6 +47,7 @@ ResultT = TypeVar("ResultT")
 # loop itself could be stuck only through a bug, but a caller must never wait forever).
 LOOP_GRACE_S = 5.0
 CLOSE_TIMEOUT_S = 5.0
+NUM_SLOTS = 16384  # Redis Cluster hash slots
 
 
 class RespStore:
@@ -60,6 +71,11 @@ class RespStore:
         self._stripes: ThreadPoolExecutor | None = None
         self._stripes_lock = threading.Lock()
         self._closed = False
+        self._routes_lock = threading.Lock()
+        self._slots: list[Endpoint | None] | None = None  # cluster: the master of each slot
+        self._master: Endpoint | None = None  # sentinel: the master it named last
+        self.raw = RawPool(self.url, address, connections=connections, timeout_s=timeout_s, route=self.route,
+                           reroute=self.reroute, error=self.raw_error, on_threads=self.on_threads)
 
     @property
     def url(self) -> str:
@@ -170,16 +186,30 @@ class RespStore:
             raise self.translate(e, what) from None
 
     def translate(self, e: BaseException, what: str) -> KVToolError:
-        """One-line error for a failure of `what`, with the password scrubbed."""
+        """One-line error for a failure of `what` in redis-py, with the password scrubbed."""
         from redis.exceptions import AuthenticationError, ResponseError
 
         text = str(e) or type(e).__name__
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
             text = f"timed out after {self.timeout_s:g} s"
-        if self.address.password:
-            text = text.replace(self.address.password, "***")
         auth = isinstance(e, AuthenticationError) or (
             isinstance(e, ResponseError) and text.split(" ", 1)[0] in ("NOAUTH", "WRONGPASS"))
+        return self._error_line(text, what, auth)
+
+    def raw_error(self, e: BaseException, what: str) -> KVToolError:
+        """One-line error for a failure of `what` on a raw connection (an error reply or a socket error)."""
+        if isinstance(e, KVToolError):
+            return e
+        if isinstance(e, ReplyError):
+            return self._error_line(e.text, what, e.refuses_credentials)
+        if isinstance(e, TimeoutError):  # socket.timeout, the deadline included
+            return self._error_line(f"timed out after {self.timeout_s:g} s", what, False)
+        text = describe_error(e) if isinstance(e, OSError) else str(e) or type(e).__name__
+        return self._error_line(text, what, False)
+
+    def _error_line(self, text: str, what: str, auth: bool) -> KVToolError:
+        if self.address.password:
+            text = text.replace(self.address.password, "***")
         if auth:
             return ConfigError(
                 f"{self.url}: the store refused the credentials ({text.rstrip('.')}); "
@@ -205,17 +235,77 @@ class RespStore:
                 if on_result is not None:
                     on_result(i, results[i])
 
-        if num_stripes <= 1:
-            if items:
-                run_stripe(0)
-            return results
-        with self._stripes_lock:
-            if self._stripes is None:
-                self._stripes = ThreadPoolExecutor(self.num_connections, thread_name_prefix="kvtool-redis")
-            executor = self._stripes
-        for future in [executor.submit(run_stripe, g) for g in range(num_stripes)]:
-            future.result()
+        self.on_threads(num_stripes, run_stripe)
         return results
+
+    def on_threads(self, n: int, run: Callable[[int], None]) -> None:
+        """run(0) ... run(n - 1), each on a stripe thread (inline when n is 1); re-raises what they raise."""
+        executor = None  # inline; so too once closed, where each stripe fails its items at once
+        with self._stripes_lock:
+            if n > 1 and not self._closed:
+                if self._stripes is None:
+                    self._stripes = ThreadPoolExecutor(self.num_connections, thread_name_prefix="kvtool-redis")
+                executor = self._stripes
+        if executor is None:
+            for g in range(n):
+                run(g)
+            return
+        for future in [executor.submit(run, g) for g in range(n)]:
+            future.result()
+
+    # -- where a key lives, for the raw connections ---------------------------------------------
+
+    def route(self, key: str) -> Endpoint:
+        """The node that holds `key`: the one server, the master a Sentinel names, or the slot's master."""
+        a = self.address
+        if a.scheme == "unix":
+            return a.path  # type: ignore[return-value]
+        if a.scheme == "redis-sentinel":
+            master = self._master
+            return master if master is not None else self._load_master()
+        if not self.is_cluster:
+            return a.nodes[0]
+        from redis.crc import key_slot
+
+        slots = self._slots if self._slots is not None else self._load_slots(refresh=False)
+        slot = key_slot(key.encode())
+        owner = slots[slot]
+        if owner is None:
+            raise PeerError(f"{self.url}: no master serves slot {slot} (of {key})")
+        return owner
+
+    def reroute(self) -> None:
+        """Forget the master (Sentinel) or reload the slot map (cluster): a redirect or a broken
+        connection said they are stale. Raises PeerError when the slot map cannot be read."""
+        if self.address.scheme == "redis-sentinel":
+            self._master = None
+        elif self.is_cluster:
+            self._load_slots(refresh=True)
+
+    def _load_master(self) -> Endpoint:
+        async def ask() -> tuple[str, int]:
+            async with self.lease() as client:
+                return await client.connection_pool.get_master_address()
+
+        with self._routes_lock:
+            if self._master is None:
+                host, port = self.run("SENTINEL get-master-addr-by-name", ask)
+                self._master = (str(host), int(port))
+            return self._master
+
+    def _load_slots(self, refresh: bool) -> list[Endpoint | None]:
+        async def slot_map() -> list[Endpoint | None]:
+            async with self.lease() as client:
+                if refresh:
+                    await client.nodes_manager.initialize()
+                cache = client.nodes_manager.slots_cache
+                return [(nodes[0].host, nodes[0].port) if (nodes := cache.get(slot)) else None
+                        for slot in range(NUM_SLOTS)]
+
+        with self._routes_lock:
+            if refresh or self._slots is None:
+                self._slots = self.run("CLUSTER SLOTS", slot_map)
+            return self._slots
 
     # -- RemoteStore operations shared by the layouts -------------------------------------------
 
@@ -225,20 +315,17 @@ class RespStore:
         on_result: Callable[[int, ChunkHeader | KVToolError | None], None] | None = None,
         before_item: Callable[[int], None] | None = None,
     ) -> list[ChunkHeader | KVToolError | None]:
-        """Each chunk into its buffer (see RemoteStore.get_many_into), striped; errors are per item."""
+        """Each chunk into its buffer (see RemoteStore.get_many_into), over the raw connections:
+        striped, pipelined, each payload read straight into its buffer; errors are per item."""
+        return self.raw.get_wave(items, self.item_keys, self.read_item, on_result, before_item)
 
-        def get_one(item: tuple[str, Buffer, ChunkHeader | None]) -> ChunkHeader | KVToolError | None:
-            key, buf, expected = item
-            target = memoryview(buf).cast("B")
-            try:
-                return self.run("GET", lambda: self.get_chunk_into(key, target, expected))
-            except KVToolError as e:
-                return e
+    def item_keys(self, key: str) -> tuple[str, ...]:
+        """The keys a chunk's GETs ask for, in the order `read_item` reads their replies."""
+        raise NotImplementedError
 
-        return self.striped(items, get_one, on_result, before_item)
-
-    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
-        """One chunk of the layout into `target`: its header on a hit, None on a miss (on the loop)."""
+    def read_item(self, item: PendingGet, replies: ItemReplies) -> ChunkHeader | None:
+        """One chunk of the layout from its replies into `item.target`: its header on a hit, None on
+        a miss. Raises KVToolError for a chunk refused (what it left unread is read past)."""
         raise NotImplementedError
 
     def health(self) -> bool:
@@ -266,10 +353,12 @@ class RespStore:
         if self._closed:
             return
         self._closed = True
+        self.raw.close()  # wakes any stripe blocked on a socket
         with self._stripes_lock:
             if self._stripes is not None:
                 self._stripes.shutdown(wait=True)
                 self._stripes = None
+        self.raw.drop_all()
         async def close_all() -> None:
             clients = [c for c in [self._client, *self._free] if c is not None]
             await asyncio.gather(*(_close_quietly(c) for c in clients))

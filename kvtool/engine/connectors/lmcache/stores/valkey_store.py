@@ -6,7 +6,9 @@ chunks cannot be stored (`save_unfull_chunk` is refused at configuration). The o
 kvtool's payload digest (payload_digest.py): a 32-byte value under a chunk key plus the digest
 tag, a key LMCache's own clients never ask for. With a TTL
 (`valkey_enable_ttl`, `valkey_ttl_sec`) every key is written with that expiry, so `volatile-*`
-eviction policies can reclaim it. Valkey speaks the Redis protocol; redis-py is the client.
+eviction policies can reclaim it. Valkey speaks the Redis protocol: redis-py asks the lookups,
+and values travel over raw connections (resp_pool.py), read straight into the buffers and
+written from the callers' memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_HEADER, DIGEST_SUFFIX
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
 from kvtool.engine.connectors.lmcache.stores.resp_base import RespStore
+from kvtool.engine.connectors.lmcache.stores.resp_pool import ItemReplies, PendingGet
 from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
 from kvtool.engine.errors import KVToolError
 
@@ -47,19 +50,20 @@ class ValkeyStore(RespStore):
         """What the value under `key` must be: a payload digest under a digest key, else a full chunk."""
         return DIGEST_HEADER if key.endswith(DIGEST_SUFFIX) else self.chunk_header
 
-    async def get_chunk_into(self, key: str, target: memoryview, expected: ChunkHeader | None) -> ChunkHeader | None:
+    def item_keys(self, key: str) -> tuple[str, ...]:
+        return (key,)
+
+    def read_item(self, item: PendingGet, replies: ItemReplies) -> ChunkHeader | None:
         """The bare key's value; one of any size but a full chunk's is a miss (no metadata to check)."""
-        async with self.lease() as client:
-            value = await client.get(key)
-        if value is None:
+        size = replies.size(0)
+        if size is None:
             return None
-        header = self._header_of(key)
-        size = header.length
-        if len(value) != size or target.nbytes < size:
-            logger.warning("%s: value of %s is %d bytes, expected %d: treated as a miss", self.url, key,
-                           len(value), size)
+        header = self._header_of(item.key)
+        if size != header.length or item.target.nbytes < header.length:
+            logger.warning("%s: value of %s is %d bytes, expected %d: treated as a miss", self.url, item.key,
+                           size, header.length)
             return None
-        target[:size] = value
+        replies.body_into(0, item.target[:size])
         return header
 
     def put_many(self, items: Sequence[tuple[str, Buffer, ChunkHeader]]) -> list[bool]:
@@ -71,14 +75,12 @@ class ValkeyStore(RespStore):
             if view.nbytes != self._header_of(key).length:
                 logger.warning("%s: chunk %s is %d bytes, not a full chunk: not stored", self.url, key, view.nbytes)
                 return False
+            expiry = () if self.ttl_s is None else ("EX", str(self.ttl_s))
             try:
-                return self.run("SET", lambda: self._set(key, view))
+                self.raw.execute("SET", lambda ok: ok(key, "SET", key, view, *expiry))
+                return True
             except KVToolError as e:
                 logger.warning("%s", e)
                 return False
 
         return self.striped(items, put_one)
-
-    async def _set(self, key: str, payload: memoryview) -> bool:
-        async with self.lease() as client:
-            return bool(await client.set(key, payload, ex=self.ttl_s))
