@@ -20,7 +20,7 @@ from kvtool.engine.connectors.config import parse_kv_transfer_config
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams
 from kvtool.workloads.arms import BUILTIN_ARMS, Arm, arm_from_config, open_arms
-from kvtool.workloads.make_trace import TRACE_KINDS, TraceShape, make_trace
+from kvtool.workloads.make_trace import REPEAT_MODES, TRACE_KINDS, TraceShape, make_trace
 from kvtool.workloads.replay import PASSES, RESTARTS, ReplayReport, refuse_duplicate_names
 from kvtool.workloads.trace import encode_trace, read_trace
 
@@ -183,12 +183,15 @@ def make_trace_command(
     num_conversations: Annotated[int, typer.Option("--num-conversations", help="multi-turn: conversations.")] = 4,
     num_turns: Annotated[int, typer.Option("--num-turns", help="multi-turn: turns per conversation.")] = 3,
     system_len: Annotated[int, typer.Option("--system-len", help="multi-turn: shared system prompt length.")] = 64,
+    history_len: Annotated[int, typer.Option("--history-len", help="multi-turn: each user's own context after the system prompt.")] = 0,
     turn_len: Annotated[int, typer.Option("--turn-len", help="multi-turn: user message length.")] = 32,
     answer_len: Annotated[int, typer.Option("--answer-len", help="multi-turn: stand-in answer length between turns.")] = 16,
+    think_time: Annotated[float, typer.Option("--think-time", help="multi-turn: mean seconds between a user's turns (sets arrival_s; 0: turn by turn, no times).")] = 0.0,
     num_docs: Annotated[int, typer.Option("--num-docs", help="long-doc-qa: documents.")] = 2,
-    doc_len: Annotated[int, typer.Option("--doc-len", help="long-doc-qa: document length.")] = 256,
+    doc_len: Annotated[str, typer.Option("--doc-len", help="long-doc-qa: document length, or LOW,HIGH to draw each uniformly.")] = "256",
     num_questions: Annotated[int, typer.Option("--num-questions", help="long-doc-qa: questions per document.")] = 3,
     question_len: Annotated[int, typer.Option("--question-len", help="long-doc-qa: question length.")] = 16,
+    repeat_mode: Annotated[str, typer.Option("--repeat-mode", help=f"long-doc-qa: question order, {', '.join(REPEAT_MODES)}.")] = "tile",
     num_prefixes: Annotated[int, typer.Option("--num-prefixes", help="shared-prefix: distinct prefixes.")] = 2,
     prefix_len: Annotated[int, typer.Option("--prefix-len", help="shared-prefix: prefix length.")] = 128,
     num_requests: Annotated[int, typer.Option("--num-requests", help="shared-prefix: requests.")] = 8,
@@ -200,6 +203,8 @@ def make_trace_command(
 
     Examples:
       kvtool replay make-trace --kind multi-turn --num-conversations 8 --num-turns 4 --out chat.jsonl
+      kvtool replay make-trace --kind multi-turn --num-conversations 64 --num-turns 8 --system-len 1024 --history-len 4096 --think-time 20 --out chat.jsonl
+      kvtool replay make-trace --kind long-doc-qa --doc-len 8192,32768 --num-docs 16 --num-questions 4 --out docs.jsonl
       kvtool replay make-trace --kind long-doc-qa --doc-len 8000 --num-docs 4 --format text --out docs.jsonl
       kvtool replay make-trace --kind shared-prefix --prefix-len 1024 --num-requests 32 --request-rate 4
     """
@@ -207,12 +212,15 @@ def make_trace_command(
         raise ConfigError(f"--kind must be one of {', '.join(TRACE_KINDS)}, got {kind!r}")
     if fmt not in ("ids", "text"):
         raise ConfigError(f"--format must be ids or text, got {fmt!r}")
+    if repeat_mode not in REPEAT_MODES:
+        raise ConfigError(f"--repeat-mode must be one of {', '.join(REPEAT_MODES)}, got {repeat_mode!r}")
+    doc_lo, doc_hi = _length_range("--doc-len", doc_len)
     shape = TraceShape(
         kind=kind, fmt=fmt, seed=seed, max_tokens=max_tokens, request_rate=request_rate,
-        num_conversations=num_conversations, num_turns=num_turns, system_len=system_len, turn_len=turn_len,
-        answer_len=answer_len, num_docs=num_docs, doc_len=doc_len, num_questions=num_questions,
-        question_len=question_len, num_prefixes=num_prefixes, prefix_len=prefix_len, num_requests=num_requests,
-        suffix_len=suffix_len,
+        num_conversations=num_conversations, num_turns=num_turns, system_len=system_len, history_len=history_len,
+        turn_len=turn_len, answer_len=answer_len, think_time_s=think_time, num_docs=num_docs, doc_len=doc_lo,
+        doc_len_max=doc_hi, num_questions=num_questions, question_len=question_len, repeat_mode=repeat_mode,
+        num_prefixes=num_prefixes, prefix_len=prefix_len, num_requests=num_requests, suffix_len=suffix_len,
     )
     requests = make_trace(shape)
     text = encode_trace(requests)
@@ -222,6 +230,18 @@ def make_trace_command(
     else:
         Path(out).write_text(text)
         render.info(f"wrote {len(requests)} requests to {out}")
+
+
+def _length_range(flag: str, text: str) -> tuple[int, int | None]:
+    """N -> (N, None); LOW,HIGH -> (LOW, HIGH). ConfigError naming the flag otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2):
+        raise ConfigError(f"{flag} takes a length or LOW,HIGH, got {text!r}")
+    return values[0], values[1] if len(values) == 2 else None
 
 
 _run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

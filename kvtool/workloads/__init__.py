@@ -13,7 +13,14 @@ prints. `commands/replay.py` and `commands/bench.py` parse flags, call these and
     replay.py       fill pass, restart, reuse pass for each arm; identity and hit checks
     ttft.py         the TTFT grid of `kvtool bench ttft`
     throughput.py   the offline throughput workload of `kvtool bench throughput`
+    serve_bench.py  `kvtool bench serve`: a trace at offered loads against every arm, and its report
+    serve_arrivals.py  the offered loads: Poisson arrivals at a rate, all at once, or the trace's
+    serve_sizing.py the trace's working set, and the device and CPU tier sizes it sets
+    serve_pass.py   kvtool's arms of it: an in-process engine behind the engine loop, streamed
+    serve_metrics.py  per-request timings to percentiles, tokens/s and queue growth
+    serve_plot.py   its figure: TTFT p50/p99 and throughput against the load
+    vllm_serve.py   vLLM's arms of it, each in a process of its own (vllm_serve_driver.py)
     hf_baseline.py  Hugging Face transformers on the same weights, measured in the same run
     figures.py      percentiles and medians
-    plot.py         the TTFT / speed-up figure
+    plot.py         the TTFT / speed-up figure of `kvtool bench ttft`
 """

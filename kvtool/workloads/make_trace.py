@@ -1,16 +1,26 @@
 """Generators for common trace shapes, so that nobody writes a trace by hand.
 
-    multi-turn      conversations whose every turn repeats the whole history (system prompt,
-                    earlier user turns and stand-in answers) before a new user message; the
-                    system prompt is shared by all conversations
-    long-doc-qa     a few long documents, each asked several questions (document + question)
+    multi-turn      users chatting (vLLM's benchmarks/multi_turn, LMCache's multi-round QA):
+                    every turn repeats the whole history (the system prompt all users share, the
+                    user's own context of `history_len`, earlier user turns and stand-in
+                    answers) before a new user message; with `think_time_s`, each turn carries
+                    the time it is sent: users start at random within one think time, and a
+                    user's next turn follows its previous one by 0.5 to 1.5 think times (open
+                    loop: it is sent then whether or not the answer has come back), the trace
+                    in the order of those times; without it, turn by turn (every user's turn 0,
+                    then every user's turn 1, ...)
+    long-doc-qa     documents (LMCache's long-doc QA), each asked several questions (document +
+                    question); `doc_len` tokens each, or drawn uniformly in [doc_len,
+                    doc_len_max]; `repeat_mode` orders the questions: tile (every document once,
+                    then every document again: the longest reuse distance), interleave (a
+                    document's questions back to back) or random (shuffled by the seed)
     shared-prefix   a few shared prefixes, each followed by many different suffixes
 
 Prompts are token ids (`fmt="ids"`: lengths are exact token counts, ids drawn from printable
 ASCII codes 32..126, valid in any vocabulary of 127 ids or more) or text (`fmt="text"`: lengths
 count words, the model's tokenizer decides the tokens). The same seed gives the same trace.
-Without a request rate, requests carry no `arrival_s` and run one after another; with one,
-request i arrives at i / rate seconds.
+Without a request rate or think time, requests carry no `arrival_s` and run one after another;
+with a rate, request i arrives at i / rate seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from kvtool.workloads.trace import TraceRequest
 TraceKind = Literal["multi-turn", "long-doc-qa", "shared-prefix"]
 TRACE_KINDS: tuple[str, ...] = ("multi-turn", "long-doc-qa", "shared-prefix")
 PromptFormat = Literal["ids", "text"]
+RepeatMode = Literal["tile", "interleave", "random"]
+REPEAT_MODES: tuple[str, ...] = ("tile", "interleave", "random")
 
 _WORDS = (
     "the cache keeps blocks of keys and values near the model so that a long prompt seen before "
@@ -48,13 +60,17 @@ class TraceShape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_conversations: int = 4
     num_turns: int = 3
     system_len: int = 64
+    history_len: int = 0  # each user's own context after the system prompt
     turn_len: int = 32
     answer_len: int = 16
+    think_time_s: float = 0.0  # mean seconds between a user's turns; 0 = no timeline
     # long-doc-qa
     num_docs: int = 2
     doc_len: int = 256
+    doc_len_max: int | None = None  # lengths drawn uniformly in [doc_len, doc_len_max]
     num_questions: int = 3
     question_len: int = 16
+    repeat_mode: RepeatMode = "tile"
     # shared-prefix
     num_prefixes: int = 2
     prefix_len: int = 128
@@ -89,7 +105,7 @@ def _request(parts: list, fmt: PromptFormat, name: str, shape: TraceShape) -> Tr
 
 def _multi_turn(shape: TraceShape, seg: _Segments) -> list[TraceRequest]:
     system = seg.labelled("System", shape.system_len)
-    histories = [list(system) for _ in range(shape.num_conversations)]
+    histories = [list(system) + seg.labelled("Context", shape.history_len) for _ in range(shape.num_conversations)]
     out = []
     for t in range(shape.num_turns):
         for c in range(shape.num_conversations):
@@ -97,15 +113,37 @@ def _multi_turn(shape: TraceShape, seg: _Segments) -> list[TraceRequest]:
                 histories[c] += seg.labelled("Assistant", shape.answer_len)
             histories[c] += seg.labelled("User", shape.turn_len)
             out.append(_request(histories[c], shape.fmt, f"conv{c}-turn{t}", shape))
+    if shape.think_time_s > 0:
+        out = _on_a_timeline(out, shape, seg.rng)
     return out
 
 
+def _on_a_timeline(turn_major: list[TraceRequest], shape: TraceShape, rng: random.Random) -> list[TraceRequest]:
+    """The requests with the times users send them, in the order of those times."""
+    think, n = shape.think_time_s, shape.num_conversations
+    sent_at = [rng.uniform(0.0, think) for _ in range(n)]
+    timed = []
+    for i, req in enumerate(turn_major):
+        t, c = divmod(i, n)
+        if t > 0:
+            sent_at[c] += think * rng.uniform(0.5, 1.5)
+        timed.append((round(sent_at[c], 6), t, c, req))
+    timed.sort(key=lambda x: x[:3])
+    return [msgspec.structs.replace(req, arrival_s=at) for at, _, _, req in timed]
+
+
 def _long_doc_qa(shape: TraceShape, seg: _Segments) -> list[TraceRequest]:
-    docs = [seg.labelled("Document", shape.doc_len) for _ in range(shape.num_docs)]
-    out = []
-    for q in range(shape.num_questions):
-        for d, doc in enumerate(docs):
-            out.append(_request(doc + seg.labelled("Question", shape.question_len), shape.fmt, f"doc{d}-q{q}", shape))
+    lengths = [shape.doc_len] * shape.num_docs
+    if shape.doc_len_max is not None:
+        lengths = [seg.rng.randint(shape.doc_len, shape.doc_len_max) for _ in range(shape.num_docs)]
+    docs = [seg.labelled("Document", n) for n in lengths]
+    asked = [[_request(doc + seg.labelled("Question", shape.question_len), shape.fmt, f"doc{d}-q{q}", shape)
+              for d, doc in enumerate(docs)] for q in range(shape.num_questions)]
+    if shape.repeat_mode == "interleave":
+        return [asked[q][d] for d in range(shape.num_docs) for q in range(shape.num_questions)]
+    out = [r for per_question in asked for r in per_question]
+    if shape.repeat_mode == "random":
+        seg.rng.shuffle(out)
     return out
 
 
@@ -133,11 +171,17 @@ def refuse_bad_shape(shape: TraceShape) -> None:
     ):
         if getattr(shape, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(shape, name)}")
-    for name in ("system_len", "answer_len"):
+    for name in ("system_len", "history_len", "answer_len"):
         if getattr(shape, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(shape, name)}")
     if shape.request_rate is not None and shape.request_rate <= 0:
         raise InputError(f"--request-rate must be positive, got {shape.request_rate}")
+    if not 0 <= shape.think_time_s < float("inf"):
+        raise InputError(f"--think-time must be >= 0 seconds, got {shape.think_time_s}")
+    if shape.think_time_s > 0 and shape.request_rate is not None:
+        raise InputError("give --think-time or --request-rate, not both: each sets the requests' arrival times")
+    if shape.doc_len_max is not None and shape.doc_len_max < shape.doc_len:
+        raise InputError(f"--doc-len LOW,HIGH needs LOW <= HIGH, got {shape.doc_len},{shape.doc_len_max}")
 
 
 def make_trace(shape: TraceShape) -> list[TraceRequest]:
