@@ -316,11 +316,9 @@ def _ms(value: float | None) -> str:
 
 
 def _tiers(s) -> str:
-    for label, value in (("cpu", s.cpu_tier), ("disk", s.disk_tier), ("cpu+disk", s.cpu_or_disk_tier),
-                         ("remote", s.remote_store)):
-        if value is not None:
-            return f"{label} {value}"
-    return "-"
+    parts = [f"{label} {value}" for label, value in (("cpu", s.cpu_tier), ("disk", s.disk_tier),
+                                                        ("remote", s.remote_store)) if value is not None]
+    return ", ".join(parts) or "-"
 
 
 def _render_serve(report) -> None:

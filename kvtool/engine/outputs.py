@@ -35,6 +35,9 @@ class RequestStats(msgspec.Struct, kw_only=True):
     num_external_loaded_tokens: int
     num_external_stored_tokens: int
     num_preemptions: int
+    # Of num_external_loaded_tokens, those the connector read from its disk tier (the rest came
+    # from its CPU tier or its remote store).
+    num_external_loaded_from_disk: int = 0
     ttft_s: float | None
     decode_s: float | None
     queue_s: float | None = None  # arrival to first scheduling
@@ -76,6 +79,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     external_tokens_matched: int = 0
     external_tokens_loaded: int = 0
+    external_tokens_loaded_from_disk: int = 0  # of external_tokens_loaded, read from a disk tier
     external_tokens_stored: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0

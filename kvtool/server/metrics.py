@@ -119,6 +119,9 @@ class _EngineStatsCollector(Collector):
         yield self._counter("kvtool:requests", "Requests added to the engine.", s.num_requests)
         yield self._counter("kvtool:connector_loaded_tokens", "Tokens of KV loaded through the connector.",
                             s.external_tokens_loaded)
+        yield self._counter("kvtool:connector_loaded_from_disk_tokens",
+                            "Tokens of KV loaded through the connector that were read from its disk tier.",
+                            s.external_tokens_loaded_from_disk)
         yield self._counter("kvtool:connector_stored_tokens", "Tokens of KV stored through the connector.",
                             s.external_tokens_stored)
         yield self._counter("kvtool:connector_load_failures", "External KV loads that failed (any policy).", s.load_failures)

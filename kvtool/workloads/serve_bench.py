@@ -9,8 +9,8 @@ arrival times (serve_arrivals.py), with the device cache sized from the trace's 
 
 Prompt tokens by source, as each engine counts them. kvtool, per request: computed, the device
 prefix cache (num_cached_tokens) and the connector (num_external_loaded_tokens), the latter
-named by the arm's connector: its CPU tier, its CPU + disk tier (the engine does not count the
-two apart), or its remote store. vLLM, per run: its own breakdown of the prompt tokens into
+named by the arm's connector: its CPU tier, its CPU tier and its disk tier (the engine counts
+the loads read from disk, num_external_loaded_from_disk), or its remote store. vLLM, per run: its own breakdown of the prompt tokens into
 computed, local cache hits and external KV transfer (IterationStats.prompt_token_stats), the
 last being its CPU tier's; where a vLLM lacks it, num_cached_tokens summed over the requests
 less the connector's external hits (its scheduler statistics).
@@ -70,9 +70,7 @@ class PromptSources(msgspec.Struct, kw_only=True):
     computed: int
     device_cache: int
     cpu_tier: int | None = None
-    # Always None so far: no engine counter tells loads from the disk tier apart from the CPU tier's.
-    disk_tier: int | None = None
-    cpu_or_disk_tier: int | None = None  # a CPU + disk tier's loads, both tiers together
+    disk_tier: int | None = None  # read from the disk tier on the way (the engine's count)
     remote_store: int | None = None
     connector: int = 0  # everything loaded through the connector (external hits, for vLLM)
 
@@ -187,7 +185,8 @@ def _kvtool_sources(records: list[RequestTiming], source: str | None) -> PromptS
     if source == "cpu":
         tiers["cpu_tier"] = loaded
     elif source == "cpu+disk":
-        tiers["cpu_or_disk_tier"] = loaded
+        disk = sum(r.num_loaded_from_disk for r in records)
+        tiers["cpu_tier"], tiers["disk_tier"] = loaded - disk, disk
     elif source is not None:
         tiers["remote_store"] = loaded
     return PromptSources(num_prompt_tokens=prompt, computed=prompt - device - loaded, device_cache=device,

@@ -43,6 +43,7 @@ class RequestTiming(msgspec.Struct, kw_only=True):
     # prefix cache and connector together (vLLM's statistics split them per run).
     num_cached_tokens: int = 0
     num_loaded_tokens: int = 0  # kvtool: loaded through the connector
+    num_loaded_from_disk: int = 0  # kvtool: of those, read from the connector's disk tier
     error: str | None = None
     output_token_ids: list[int] = []
 

@@ -100,6 +100,7 @@ class EngineRuns:
                 rec.num_output_tokens = len(result.output_token_ids)
                 rec.num_cached_tokens = result.stats.num_cached_tokens
                 rec.num_loaded_tokens = result.stats.num_external_loaded_tokens
+                rec.num_loaded_from_disk = result.stats.num_external_loaded_from_disk
                 if result.finish_reason not in ("length", "stop") or result.error:
                     rec.error = result.error or f"the request ended with finish_reason {result.finish_reason!r}"
             elif isinstance(event, Rejected):

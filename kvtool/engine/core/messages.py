@@ -76,6 +76,8 @@ class TransferStats(msgspec.Struct, kw_only=True):
     # Per request: tokens actually loaded into / stored out of the pages this step.
     tokens_loaded: dict[str, int] = {}
     tokens_stored: dict[str, int] = {}
+    # Of tokens_loaded, those read from a disk tier (the OffloadingConnector's) on the way.
+    tokens_loaded_from_disk: dict[str, int] = {}
 
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):

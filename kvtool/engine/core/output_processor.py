@@ -86,6 +86,7 @@ class OutputProcessor:
                 num_cached_tokens=req.num_cached_tokens or 0,
                 num_external_tokens=req.num_external_tokens,
                 num_external_loaded_tokens=req.num_external_loaded_tokens,
+                num_external_loaded_from_disk=req.num_external_loaded_from_disk,
                 num_external_stored_tokens=req.num_external_stored_tokens,
                 num_preemptions=req.num_preemptions,
                 ttft_s=ttft,

@@ -70,6 +70,7 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_external_tokens = 0
         self.num_external_loaded_tokens = 0
+        self.num_external_loaded_from_disk = 0  # of those, read from a disk tier on the way
         self.num_external_stored_tokens = 0
         self.block_hashes: list[bytes] = []
         self.block_ids: list[int] = []

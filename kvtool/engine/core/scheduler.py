@@ -429,6 +429,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and not req.is_finished:
                 req.num_external_loaded_tokens += n
+        for rid, n in st.tokens_loaded_from_disk.items():
+            self.stats.external_tokens_loaded_from_disk += n
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                req.num_external_loaded_from_disk += n
         for rid, n in st.tokens_stored.items():
             self.stats.external_tokens_stored += n
             req = self.requests.get(rid)

@@ -120,4 +120,5 @@ def merge_stats(parts: list[TransferStats]) -> TransferStats:
         load_failures=max(p.load_failures for p in parts),
         tokens_loaded=dict(parts[0].tokens_loaded),
         tokens_stored=dict(parts[0].tokens_stored),
+        tokens_loaded_from_disk=dict(parts[0].tokens_loaded_from_disk),
     )

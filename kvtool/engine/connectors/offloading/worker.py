@@ -163,6 +163,9 @@ class OffloadingWorker(WorkerHalf):
                 self.stats.bytes_loaded += moved
                 n = len(job.block_ids) * self.block_size
                 self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n
+                if job.from_disk:
+                    disk = self.stats.tokens_loaded_from_disk
+                    disk[job.request_id] = disk.get(job.request_id, 0) + n
             except KVRefused as e:
                 if job.slot is not None:
                     bad_slots.add(job.slot)

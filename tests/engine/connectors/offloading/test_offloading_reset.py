@@ -1,5 +1,5 @@
 """The OffloadingConnector scheduler half's reset_cache: the CPU tier forgotten, the disk tier kept,
-pinned slots waited for, KV events for what left."""
+pinned slots waited for, KV events for what left; loads counted by the tier they came from."""
 
 from kvtool.engine.events.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from kvtool.engine.outputs import CPUTierUsage
@@ -18,6 +18,8 @@ def test_reset_forgets_the_cpu_tier_and_keeps_the_disk_tier(make_engine, tmp_pat
     half = engine.scheduler.connector
     engine.generate([p], ONE)
     engine.flush_connector()
+    from_cpu = engine.generate([p], ONE)[0].stats  # the CPU tier holds every block
+    assert from_cpu.num_external_loaded_tokens == 64 and from_cpu.num_external_loaded_from_disk == 0
     files = sorted(root.rglob("*.kvb"))
     assert len(half.slots) == 4 and len(half.disk) == 4 and len(files) == 4
     assert half.reset_cache() is True
@@ -26,6 +28,8 @@ def test_reset_forgets_the_cpu_tier_and_keeps_the_disk_tier(make_engine, tmp_pat
     # The next hit comes from disk, promoted into the CPU tier again.
     again = engine.generate([p], ONE)[0]
     assert again.stats.num_external_tokens == 64 and again.output_token_ids == ref.output_token_ids
+    assert again.stats.num_external_loaded_from_disk == again.stats.num_external_loaded_tokens == 64
+    assert engine.stats().external_tokens_loaded_from_disk == 64
     engine.flush_connector()
     assert len(half.slots) == 4
 
