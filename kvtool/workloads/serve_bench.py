@@ -241,12 +241,13 @@ class ServeBench:
         model_dir = open_model_dir(self.model_path)
         self.requests, trace_arrivals = resolve_prompts(lines, model_dir.tokenizer)
         self.device = resolve_device(base.device)
-        self.dtype = str(resolve_dtype(base.dtype, self.device)).removeprefix("torch.")
+        torch_dtype = resolve_dtype(base.dtype, self.device)
+        self.dtype = str(torch_dtype).removeprefix("torch.")
         prompts = [r.prompt_token_ids for r in self.requests]
         max_tokens = [r.max_tokens for r in self.requests]
         self.sizes = size_caches(prompts, max_tokens, block_size=base.block_size, kv_pressure=settings.kv_pressure,
                                  num_gpu_blocks=base.num_gpu_blocks,
-                                 bytes_per_token=kv_bytes_per_token(model_dir.config, self.dtype),
+                                 bytes_per_token=kv_bytes_per_token(model_dir.config, torch_dtype),
                                  cpu_tier_bytes=settings.cpu_tier_bytes)
         whole_blocks = -(-self.sizes.longest_request_tokens // base.block_size) * base.block_size
         self.max_model_len = base.max_model_len or whole_blocks

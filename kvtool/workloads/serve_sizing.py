@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import msgspec
+import torch
 
 from kvtool.engine.errors import ConfigError
-from kvtool.engine.kv.pages import KVGeometry
 
 # `--cpu-tier-size auto`: the working set and a quarter more.
 AUTO_CPU_TIER_RATIO = 1.25
@@ -58,11 +58,9 @@ def working_set_tokens(prompts: list[list[int]], block_size: int) -> int:
     return total
 
 
-def kv_bytes_per_token(config, dtype_name: str) -> int:
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of KV one token takes over the whole model (every layer's K and V, all heads)."""
-    geometry = KVGeometry(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                          block_size=1, dtype=dtype_name)
-    return geometry.bytes_per_token
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
 def size_caches(prompts: list[list[int]], max_tokens: list[int], *, block_size: int, kv_pressure: float | None,
