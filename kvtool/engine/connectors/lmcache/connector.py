@@ -479,7 +479,7 @@ class LMCacheConnector(KVConnector):
         url = str(config.extra("remote_url") or config.extra("lmcache.remote_url") or "")
         scheme = url.partition("://")[0] if "://" in url else "lm"
         return {"redis": "redis", "rediss": "redis", "unix": "redis", "redis-sentinel": "redis",
-                "redis-cluster": "redis-cluster", "valkey": "valkey"}.get(scheme, "lmcache")
+                "redis-cluster": "redis-cluster", "valkey": "valkey", "resp": "redis"}.get(scheme, "lmcache")
 
     @staticmethod
     def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:

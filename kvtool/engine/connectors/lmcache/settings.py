@@ -28,7 +28,7 @@ LMCACHE_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="port", kind="int", low=1, high=65535, doc="default KVTOOL_LMCACHE_PORT or 65432"),
     ExtraKey(name="remote_url", kind="str", aliases=("lmcache.remote_url",), max_len=4096,
              doc="the store: lm://HOST:PORT (an alternative to host and port), redis://, rediss://, unix://, "
-                 "redis-cluster://, redis-sentinel://, valkey://"),
+                 "redis-cluster://, redis-sentinel://, valkey://, resp://"),
     ExtraKey(name="hash_algo", kind="choice", default="blake3", aliases=("lmcache.pre_caching_hash_algorithm",),
              choices=tuple(HASH_ALGOS)),
     ExtraKey(name="chunk_tokens", kind="int", aliases=("lmcache.chunk_size",), low=1, high=1 << 20,

@@ -15,10 +15,12 @@ Schemes (LMCache's own `remote_url` spellings):
                                                   layout; its service name is LMCache's REDIS_SERVICE_NAME
                                                   (default redismaster)
     valkey://[USER:PASSWORD@]HOST:PORT            one key per chunk, LMCache's ValkeyConnector layout
+    resp://[USER:PASSWORD@]HOST:PORT              one key per chunk, LMCache's native RESP connector (resp_store.py)
 
-A password missing from the URL is taken from `KVTOOL_REDIS_PASSWORD`. Passwords never appear in
-what this module logs or raises: a store names itself by `StoreAddress.describe()`, which leaves
-the credentials out.
+A password missing from the URL is taken from `KVTOOL_REDIS_PASSWORD` (for resp:// then from
+LMCache's `LMCACHE_RESP_PASSWORD`, and a missing user from `LMCACHE_RESP_USERNAME`). Passwords
+never appear in what this module logs or raises: a store names itself by `StoreAddress.describe()`,
+which leaves the credentials out.
 """
 
 from __future__ import annotations
@@ -31,11 +33,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvtool.engine.connectors.lmcache.stores.protocol import parse_lm_url
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
+from kvtool.engine.connectors.lmcache.stores.resp_url import (
+    LMCACHE_PASSWORD_ENV,
+    LMCACHE_USERNAME_ENV,
+    parse_resp_host_port,
+)
 from kvtool.engine.errors import ConfigError, KVToolError
 
 Buffer = Union[bytes, bytearray, memoryview]
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
-SCHEMES = ("lm", "redis", "rediss", "unix", "redis-cluster", "redis-sentinel", "valkey")
+SCHEMES = ("lm", "redis", "rediss", "unix", "redis-cluster", "redis-sentinel", "valkey", "resp")
 # The sentinels' name for the master (LMCache's RedisSentinelConnector reads the same variable).
 SERVICE_NAME_ENV, DEFAULT_SERVICE_NAME = "REDIS_SERVICE_NAME", "redismaster"
 REDIS_DEFAULT_PORT = 6379
@@ -136,6 +143,10 @@ def parse_store_url(url: str, environ: dict | None = None) -> StoreAddress:
         raise ConfigError("remote_url lm:// takes no user or password")
     if scheme == "lm":  # LMCache's own URL rules (protocol.py)
         return StoreAddress(scheme, (parse_lm_url(url),))
+    if scheme == "resp":  # LMCache's resp:// rules (resp_url.py); its credentials' variables come last
+        username = username or env.get(LMCACHE_USERNAME_ENV) or None
+        password = password if password is not None else env.get(LMCACHE_PASSWORD_ENV) or None
+        return StoreAddress(scheme, (parse_resp_host_port(hostpart),), None, 0, username, password)
     where = f"{scheme}://{hostpart}"
     if scheme == "unix":
         try:
@@ -179,10 +190,13 @@ def store_address(
     """`parse_store_url` plus the settings that depend on the layout.
 
     Raises:
-        ConfigError: `save_unfull_chunk` with valkey:// (its values carry no shape, so only full
-            chunks can be told apart), TTL settings with another scheme, a TTL that is not > 0.
+        ConfigError: `save_unfull_chunk` with valkey:// or resp:// (their values carry no shape, so
+            only full chunks can be told apart), TTL settings with another scheme, a TTL that is not > 0.
     """
     address = parse_store_url(url, environ)
+    if address.scheme == "resp" and save_unfull_chunk:
+        raise ConfigError("save_unfull_chunk must be false for resp:// (LMCache's resp connector stores full chunks "
+                          "only, with no metadata)")
     if address.scheme != "valkey":
         if valkey_enable_ttl or valkey_ttl_sec is not None:
             raise ConfigError(f"valkey_enable_ttl / valkey_ttl_sec apply to valkey:// only, not {address.scheme}://")

@@ -1,5 +1,6 @@
 """Opening the store a `remote_url` names: lm:// (LMClient), redis:// and redis-cluster:// (RedisStore),
-valkey:// (ValkeyStore). The store modules depend on store.py's types; this factory depends on them.
+valkey:// (ValkeyStore), resp:// (RespChunkStore). The store modules depend on store.py's types;
+this factory depends on them.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def open_store(
     Args:
         connections: how many requests may be in flight at once.
         timeout_s: the deadline of each operation (one lookup, one chunk's load or store).
-        chunk_header: a full chunk as the engine's pages hold it; the valkey:// layout stores
-            no metadata, so a value is a chunk only if it has exactly this size.
+        chunk_header: a full chunk as the engine's pages hold it; the valkey:// and resp://
+            layouts store no metadata, so a value is a chunk only if it has exactly this size.
         valkey_ttl_s: expiry of every key a valkey:// store writes; None keeps keys forever.
         backoff_s: lm:// only: how long a peer that missed a deadline is failed fast (LMClient's default when None).
     """
@@ -43,6 +44,10 @@ def open_store(
 
         return ValkeyStore(address, connections=connections, timeout_s=timeout_s, chunk_header=chunk_header,
                            ttl_s=valkey_ttl_s)
+    if address.scheme == "resp":
+        from kvtool.engine.connectors.lmcache.stores.resp_store import RespChunkStore
+
+        return RespChunkStore(address, connections=connections, timeout_s=timeout_s, chunk_header=chunk_header)
     from kvtool.engine.connectors.lmcache.stores.redis_store import RedisStore
 
     return RedisStore(address, connections=connections, timeout_s=timeout_s)
