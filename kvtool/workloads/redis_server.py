@@ -121,16 +121,18 @@ class RedisServer:
 
 
 class RedisClusterProcesses:
-    """`num_masters` cluster-enabled servers joined by `redis-cli --cluster create`, no replicas."""
+    """`num_masters` cluster-enabled servers joined by `redis-cli --cluster create`, no replicas;
+    each node gets the `extra` arguments too."""
 
-    def __init__(self, workdir: Path, num_masters: int = 3, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, workdir: Path, num_masters: int = 3, node_timeout_ms: int = 2000,
+                 extra: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.nodes: list[RedisServer] = []
         for _ in range(num_masters):
             port = free_port(cluster=True)
-            extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no"]
-            self.nodes.append(RedisServer(port, workdir / f"node-{port}", extra))
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no", *extra]
+            self.nodes.append(RedisServer(port, workdir / f"node-{port}", args))
 
     @property
     def url(self) -> str:
@@ -258,10 +260,10 @@ def redis_server(extra: Sequence[str] = ()) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def redis_cluster(num_masters: int = 3) -> Iterator[RedisClusterProcesses]:
-    """A running `num_masters`-master Redis Cluster on loopback, stopped after."""
+def redis_cluster(num_masters: int = 3, extra: Sequence[str] = ()) -> Iterator[RedisClusterProcesses]:
+    """A running `num_masters`-master Redis Cluster on loopback (`extra` arguments on every node), stopped after."""
     with tempfile.TemporaryDirectory(prefix="kvtool-redis-cluster-") as tmp:
-        cluster = RedisClusterProcesses(Path(tmp), num_masters).start()
+        cluster = RedisClusterProcesses(Path(tmp), num_masters, extra=extra).start()
         try:
             yield cluster
         finally:
