@@ -400,10 +400,9 @@ def kernel_fp8_gemm(sweep: bool = False) -> None:
                 record("kernels", f"FP8 GEMM {m} rows, N={n} K={k}", flop / fp8_ms / 1e9, "TFLOP/s",
                        2 * PEAK_TFLOPS, ms=round(fp8_ms, 3), bf16_ms=round(bf16_ms, 3), config=config_for(m, n, sms))
             if sweep:
-                for cfg in ((16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6),
-                            (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3)):
-                    if (m == 1) != (cfg[0] == 16):
-                        continue
+                small = ((64, 16, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
+                large = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3))
+                for cfg in small if m == 1 else large:
                     try:
                         ms = do_bench(lambda: fp8_mm(x, w, cfg), warmup=10, rep=100, return_mode="median")
                     except Exception as e:  # a tile too large for shared memory

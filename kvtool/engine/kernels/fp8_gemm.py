@@ -1,9 +1,9 @@
 """Products of FP8 checkpoint weights on CUDA: float8_e4m3fn tensor cores, rows independent of the row count.
 
 A projection of an FP8 checkpoint keeps its weight as stored (`Fp8Weight`: float8_e4m3fn [N, K]
-and its float32 scales) and `fp8_mm(x, w)` multiplies activations [M, K] by it in one Triton
-kernel, the scheme of the block-wise FP8 releases (DeepSeek, Qwen) as vLLM and transformers'
-fine-grained FP8 compute it:
+and its float32 scales) and `fp8_mm(x, w)` multiplies activations [M, K] by it in two Triton
+kernels (the activations quantised, then the product), the scheme of the block-wise FP8
+releases (DeepSeek, Qwen) as vLLM and transformers' fine-grained FP8 compute it:
 
     for each K group of GROUP (128) columns, in K order:
         the activations' group is quantised per row: scale s_a = max(|x|, 1e-10) / 448, x / s_a in FP8
@@ -16,7 +16,8 @@ per row and group, finer than a checkpoint's per-token scheme asks, never coarse
 Every output element is one float32 sum over the groups in K order, each group's dot computed
 alone and scaled before it is added: nothing depends on the tile shape or on the rows beside
 a row, so one kernel serves every row count (a decode step, a prefill, a full hit's last rows)
-with the same bits. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
+with the same bits. That holds for the warpgroup MMA of row tiles of MIN_BM rows and more; the
+mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is smaller. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
 bf16's rate, so both decode (bandwidth-bound) and prefill (compute-bound) gain.
 """
 
@@ -31,48 +32,75 @@ from kvtool.engine.kernels.tiles import grouped_tile, sm_count
 
 # Row counts that between them reach every tile configuration of `config_for` (the runner's
 # warm-up compiles them before the first request).
-WARM_UP_ROWS = (1, 17, 65, 257)
+WARM_UP_ROWS = (1, 65, 257)
+# Row tiles of fewer rows run the FP8 dot as mma.sync, whose sums round otherwise than the
+# warpgroup MMA of larger tiles: every configuration keeps at least this many rows.
+MIN_BM = 64
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, G: tl.constexpr):
+    """One row's one G-column group: s = max(|x|, 1e-10) / 448, q = x / s in FP8."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * G + tl.arange(0, G)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / 448.0
+    tl.store(q_ptr + row * stride_q + cols, tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * stride_s + g, scale)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c, stride_sn, stride_sk,
-                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_a, stride_as, stride_w, stride_c,
+                     stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """c = a @ (w * s).T, a [M, K] quantised per row and BK-group, w [N, K] FP8; grouped tile order."""
+    """c = (a * as) @ (w * s).T, a [M, K] FP8 with one scale per row and BK-group, w [N, K] FP8;
+    grouped tile order."""
     pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     a_p = a_ptr + rm[:, None].to(tl.int64) * stride_a + rk[None, :]
+    as_p = as_ptr + rm.to(tl.int64) * stride_as
     w_p = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
     s_p = s_ptr + (rn // SCALE_ROWS) * stride_sn
-    m_ok = rm[:, None] < M
+    m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + rk)[None, :] < K
-        a = tl.load(a_p, mask=m_ok & k_ok, other=0.0).to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(a), 1), 1e-10) / 448.0
-        a_q = tl.clamp(a / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
+        a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
         w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a_q, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
         a_p += BK
         w_p += BK
     c_p = c_ptr + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
-    tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+    tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in FP8 [M, K], float32 scales [M, ceil(K / GROUP)]): each row's GROUP-column groups
+    scaled so their largest magnitude maps to 448."""
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), G=GROUP, num_warps=1)
+    return q, s
 
 
 def config_for(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns; the bits are the same
-    for every choice, so it is speed alone. Few rows: narrow tiles so every SM streams weights."""
-    if rows <= 16:
-        return (16, 64, 4, 4) if triton.cdiv(n, 64) >= 2 * num_sms else (16, 32, 4, 4)
+    for every choice (BM at least MIN_BM), so it is speed alone."""
     if rows <= 64:
         return (64, 64, 4, 4) if triton.cdiv(n, 64) >= num_sms else (64, 32, 4, 4)
     if rows <= 256:
         return 64, 128, 4, 4
-    return 128, 128, 8, 3
+    return 128, 128, 8, 4
 
 
 def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -85,9 +113,13 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     if m == 0:
         return c
     bm, bn, warps, stages = config or config_for(m, n, sm_count(x.device))
+    if bm < MIN_BM:
+        raise ValueError(f"FP8 row tiles of {bm} rows round otherwise than those of {MIN_BM} and more")
+    q, q_scale = quantize_rows(x)
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _fp8_gemm_kernel[grid](x, w.data, w.scale, c, m, n, k, x.stride(0), w.data.stride(0), c.stride(0),
-                           w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows, SCALE_COLS=w.scale_cols,
-                           BM=bm, BN=bn, BK=GROUP, GROUP_M=8, num_warps=warps, num_stages=stages)
+    _fp8_gemm_kernel[grid](q, q_scale, w.data, w.scale, c, m, n, k, q.stride(0), q_scale.stride(0), w.data.stride(0),
+                           c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
+                           SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, num_warps=warps,
+                           num_stages=stages)
     return c
