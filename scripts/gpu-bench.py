@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import statistics
-import signal
 import subprocess
 import sys
 import tempfile
@@ -166,53 +165,14 @@ def throughput_workload(num_seqs: int):
 # ---- vLLM's arm -------------------------------------------------------------------------------
 
 
-def session_alive(sid: int) -> list[int]:
-    """The processes of session `sid` still running (zombies, which hold no memory, left out)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, session id
-            alive.append(int(stat.parent.name))
-    return alive
-
-
 def end_session(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
-    """Kill the vLLM arm's session (the arm and vLLM's engine-core process) and wait until no
-    process of it is left, so the GPU memory they held is free for whatever runs next."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.poll()  # reaps the arm itself
-        if not session_alive(proc.pid):
-            wait_gpu_memory_back(deadline)
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gpu-bench: vLLM's processes {session_alive(proc.pid)} outlived a kill by {wait_s:.0f}s")
-        time.sleep(0.2)
+    """Kill the vLLM arm's session (the arm and vLLM's engine-core process) and wait until none of
+    it is left and its GPU memory is free for whatever runs next."""
+    from kvtool.workloads.process_session import end_session as end
 
-
-def wait_gpu_memory_back(deadline: float) -> None:
-    """Wait until the memory a killed vLLM arm held is free again: the driver releases a killed
-    process's memory some time after the process is gone, and kvtool's next engine needs it."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    total = torch.cuda.mem_get_info()[1]
-    while True:
-        free = torch.cuda.mem_get_info()[0]
-        # Whatever this process holds itself, plus its context, is not the arm's.
-        if free >= total - torch.cuda.memory_reserved() - 2 * 2**30:
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gpu-bench: {(total - free) / 2**30:.1f} GiB of GPU memory still held after vLLM's arm ended")
-        time.sleep(0.5)
+    held = end(proc, wait_s)
+    if held is not None:
+        raise SystemExit(f"gpu-bench: after vLLM's arm, {held}")
 
 
 def release_gpu_memory() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import msgspec
 
 from kvtool.engine.errors import ConfigError, KVToolError
 from kvtool.engine.params import EngineParams
+from kvtool.workloads.process_session import end_session
 from kvtool.workloads.serve_metrics import RequestTiming
 from kvtool.workloads.serve_sizing import CacheSizes
 
@@ -151,45 +151,6 @@ def _run_session(argv: list[str], env: dict, log_path: Path, timeout_s: float, r
                 if time.monotonic() > deadline:
                     return None
         finally:
-            _end_session(proc)
+            end_session(proc, SESSION_END_S)
 
 
-def _session_members(sid: int) -> list[int]:
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, session id
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _end_session(proc: subprocess.Popen) -> None:
-    """Kill the arm's session (the driver and vLLM's engine core) and wait for it and its GPU memory."""
-    deadline = time.monotonic() + SESSION_END_S
-    while True:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.poll()
-        if not _session_members(proc.pid) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    _wait_gpu_memory_back(deadline)
-
-
-def _wait_gpu_memory_back(deadline: float) -> None:
-    # The driver frees a killed process's memory some time after the process is gone.
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    total = torch.cuda.mem_get_info()[1]
-    while time.monotonic() < deadline:
-        free = torch.cuda.mem_get_info()[0]
-        if free >= total - torch.cuda.memory_reserved() - (2 << 30):
-            return
-        time.sleep(0.5)
