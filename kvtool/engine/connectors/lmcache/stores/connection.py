@@ -43,7 +43,31 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-class Connection:
+class OwnedSocket:
+    """A socket one thread uses at a time and another may wake: `shut` unblocks a call waiting
+    on it, `drop` closes it (after a failure the stream position is unknown, so the socket is
+    useless)."""
+
+    sock: socket.socket | None = None
+
+    def drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+    def shut(self) -> None:
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Connection(OwnedSocket):
     """One pool slot: a socket (connected lazily) and a reusable reply buffer.
 
     Every call takes the operation's `deadline` (time.monotonic() seconds): the socket's
@@ -63,24 +87,6 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are tiny
             self.sock, self.num_requests, self.lowat = sock, 0, 1
         return self.sock
-
-    def drop(self) -> None:
-        """Close after a failure: the stream position is unknown, so the socket is useless."""
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
-
-    def shut(self) -> None:
-        """Wake any call blocked on this socket (from another thread); `drop` closes it later."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def send(self, deadline: float, *parts: Buffer) -> None:
         sock = self.ensure(deadline)

@@ -26,7 +26,7 @@ from typing import Union
 
 import msgspec
 
-from kvtool.engine.connectors.lmcache.stores.connection import RCVLOWAT_BYTES, _remaining
+from kvtool.engine.connectors.lmcache.stores.connection import RCVLOWAT_BYTES, OwnedSocket, _remaining
 from kvtool.engine.connectors.lmcache.stores.store import Buffer, StoreAddress
 
 # A TCP endpoint (host, port) or a unix socket path.
@@ -119,7 +119,7 @@ def ssl_context(query: dict) -> ssl.SSLContext:
         raise ProtocolError(str(e)) from None
 
 
-class RespConnection:
+class RespConnection(OwnedSocket):
     """A socket to one Redis node (connected, authenticated and on its database lazily) and the
     buffer its reply lines are read through.
 
@@ -199,22 +199,8 @@ class RespConnection:
 
     def drop(self) -> None:
         """Close after a failure or when done: whatever was unread is gone with the socket."""
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
+        super().drop()
         self._start = self._end = 0
-
-    def shut(self) -> None:
-        """Wake a call blocked on this socket (from another thread); `drop` closes it later."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     # -- writing ---------------------------------------------------------------------------------
 
