@@ -36,19 +36,23 @@ WARM_UP_ROWS = (1, 65, 257)
 # Row tiles of fewer rows run the FP8 dot as mma.sync, whose sums round otherwise than the
 # warpgroup MMA of larger tiles: every configuration keeps at least this many rows.
 MIN_BM = 64
+# Groups one program of the activations' quantisation takes (a row's 1024 columns).
+QUANTIZE_GROUPS = 8
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, G: tl.constexpr):
-    """One row's one G-column group: s = max(|x|, 1e-10) / 448, q = x / s in FP8."""
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, G: tl.constexpr,
+                          GROUPS: tl.constexpr):
+    """GROUPS G-column groups of one row: per group s = max(|x|, 1e-10) / 448, q = x / s in FP8."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * G + tl.arange(0, G)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = g[:, None] * G + tl.arange(0, G)[None, :]
     ok = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / 448.0
-    tl.store(q_ptr + row * stride_q + cols, tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
+    tl.store(s_ptr + row * stride_s + g, scale, mask=g * G < K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -89,7 +93,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), G=GROUP, num_warps=1)
+        per_program = min(QUANTIZE_GROUPS, triton.next_power_of_2(groups))
+        _quantize_rows_kernel[(m, triton.cdiv(groups, per_program))](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), G=GROUP, GROUPS=per_program, num_warps=4)
     return q, s
 
 
