@@ -163,18 +163,20 @@ def test_blake3_mode_checks_each_payload_against_its_digest(make_engine, redis_s
     url = f"resp://{HOST}:{redis_server.port}"
     p = prompt(600, 81)
     ref = make_engine().generate([p], GREEDY)[0]
-    fill(make_engine, url, [p], hash_algo="blake3")
-    again = make_engine(kv_transfer_config=store_config(url, hash_algo="blake3")).generate([p], GREEDY)[0]
+    mode = {"hash_algo": "blake3", "model_name": "kvtool-test/resp-blake3"}  # keys of this test alone
+    fill(make_engine, url, [p], **mode)
+    again = make_engine(kv_transfer_config=store_config(url, **mode)).generate([p], GREEDY)[0]
     # Chunks of one block (16 tokens) in this mode: every full block of the prompt.
     assert again.stats.num_external_loaded_tokens == 592 and again.output_token_ids == ref.output_token_ids
     db = redis.Redis(host=HOST, port=redis_server.port)
-    chunks = [k for k in db.keys("*") if db.strlen(k) > 64]  # the digests are 32 bytes each
-    assert len(chunks) == 37 and len(db.keys("*")) == 2 * 37
+    keys = db.keys("kvtool-test/resp-blake3@*")
+    chunks = [k for k in keys if db.strlen(k) > 64]  # the digests are 32 bytes each
+    assert len(chunks) == 37 and len(keys) == 2 * 37
     for key in chunks:  # one byte changed in place: the length still fits
         value = bytearray(db.get(key))
         value[1000] ^= 0x40
         db.set(key, bytes(value))
-    r = make_engine(kv_transfer_config=store_config(url, hash_algo="blake3")).generate([p], GREEDY)[0]
+    r = make_engine(kv_transfer_config=store_config(url, **mode)).generate([p], GREEDY)[0]
     assert r.finish_reason == "error" and r.output_token_ids == [] and "digest" in r.error
     db.close()
 
