@@ -6,27 +6,14 @@ are not checked: they are a matter of the machine."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from kvtool.workloads.process_session import session_members
 from tests.conftest import REPO
 from tests.support.peer_server import require_peer_python
 
 STORES = ("lm", "redis", "redis-cluster", "valkey", "resp")
-
-
-def _in_session(sid: int) -> list[int]:
-    """The processes still in session `sid` (a child that outlived its parent keeps the session)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 @pytest.mark.peer
@@ -41,7 +28,7 @@ def test_every_path_is_measured_beside_the_socket_reads_and_lmcaches_connectors(
     )
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-4000:]
-    assert _in_session(proc.pid) == []  # every server and reader it started is gone
+    assert session_members(proc.pid) == []  # every server and reader it started is gone
     assert "--io-threads 2" in stdout.splitlines()[0]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by = {(r["measure"], r["store"], r["connections"]): r for r in rows}

@@ -254,12 +254,19 @@ def refuse_reply(reply: Reply, capacity: int, expected: ChunkHeader | None) -> C
             )
     if reply.length > capacity:
         raise PeerError(f"lm:// reply announces {reply.length} bytes, the buffer holds {capacity}")
-    if expected is not None:
-        for field in ("fmt", "dtype_code", "shape", "length"):
-            want_v, got_v = getattr(expected, field), getattr(header, field)
-            if want_v != got_v:
-                raise KVRefused(f"lm:// chunk {field}: expected {want_v}, found {got_v}")
+    refuse_unexpected(expected, header, "lm:// chunk")
     return header
+
+
+def refuse_unexpected(expected: ChunkHeader | None, found: ChunkHeader, what: str, why: str = "") -> None:
+    """KVRefused naming the first of format, dtype, shape and length in which the chunk `found`
+    is not the one the caller `expected` (nothing when it expected none)."""
+    if expected is None:
+        return
+    for name in ("fmt", "dtype_code", "shape", "length"):
+        want, got = getattr(expected, name), getattr(found, name)
+        if want != got:
+            raise KVRefused(f"{what} {name}: expected {want}, found {got}{why}")
 
 
 def exist_code(reply: Reply) -> bool:

@@ -21,7 +21,12 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
+from kvtool.engine.connectors.lmcache.stores.protocol import (
+    ChunkHeader,
+    MemoryFormat,
+    refuse_unexpected,
+    torch_dtype_from_code,
+)
 from kvtool.engine.connectors.lmcache.stores.resp_base import RespStore, logger
 from kvtool.engine.connectors.lmcache.stores.resp_pool import ItemReplies, PendingGet
 from kvtool.engine.connectors.lmcache.stores.store import Buffer
@@ -98,11 +103,7 @@ class RedisStore(RespStore):
         raw = replies.body(0)
         capacity = target.nbytes if expected is None else min(target.nbytes, expected.length)
         header = decode_metadata(raw, capacity, key)
-        if expected is not None:
-            for name in ("fmt", "dtype_code", "shape", "length"):
-                want, got = getattr(expected, name), getattr(header, name)
-                if want != got:
-                    raise KVRefused(f"chunk {key} {name}: expected {want}, found {got}")
+        refuse_unexpected(expected, header, f"chunk {key}")
         size = replies.size(1)
         if size is None:
             # The payload was evicted (or never landed): LMCache deletes the orphan metadata.

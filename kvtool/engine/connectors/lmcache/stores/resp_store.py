@@ -34,7 +34,7 @@ digest tag, which LMCache's clients never ask for) are the one exception to the 
 
 from __future__ import annotations
 
-from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader
+from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, refuse_unexpected
 from kvtool.engine.connectors.lmcache.stores.resp_pool import ItemReplies, PendingGet
 from kvtool.engine.connectors.lmcache.stores.store import StoreAddress
 from kvtool.engine.connectors.lmcache.stores.valkey_store import ValkeyStore
@@ -69,10 +69,6 @@ def refuse_value(key: str, size: int, header: ChunkHeader, expected: ChunkHeader
     what the caller `expected` (if it said) and fits the buffer. Checked before the value is read."""
     if size != header.length:
         raise KVRefused(f"chunk {key} length: expected {header.length} (a full chunk), found {size}")
-    if expected is not None:
-        for name in ("fmt", "dtype_code", "shape", "length"):
-            want, got = getattr(expected, name), getattr(header, name)
-            if want != got:
-                raise KVRefused(f"chunk {key} {name}: expected {want}, found {got} (resp:// holds full chunks only)")
+    refuse_unexpected(expected, header, f"chunk {key}", " (resp:// holds full chunks only)")
     if capacity < size:
         raise KVRefused(f"chunk {key} length: {size} bytes, the buffer holds {capacity}")
