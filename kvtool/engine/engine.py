@@ -23,8 +23,7 @@ from kvtool.engine.core.structured_output import StructuredOutputs
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
 from kvtool.engine.kv.cache_size import num_kv_blocks
-from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype
-from kvtool.engine.kv.pages import DTYPE_NAMES
+from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype, resolve_kv_dtype
 from kvtool.engine.models import MODEL_CLASSES
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
@@ -87,11 +86,10 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
-        kv_dtype = DTYPE_NAMES[self.dtype]
-        if params.kv_cache_dtype not in ("auto", kv_dtype):
-            what = "an fp8 or int8 KV cache is not supported yet" if params.kv_cache_dtype not in (
-                "bfloat16", "float16", "float32") else "the KV cache is kept in the model's dtype"
-            raise ConfigError(f"--kv-cache-dtype {params.kv_cache_dtype}: {what} (this engine's: auto or {kv_dtype})")
+        self.kv_dtype = resolve_kv_dtype(params.kv_cache_dtype, self.dtype)
+        if params.calculate_kv_scales and self.kv_dtype.itemsize == 1 and connector_cls is not None:
+            raise ConfigError("--calculate-kv-scales with a KV connector: scales computed from the first batch "
+                              "cannot be named in the identity of stored KV (use the checkpoint's scales)")
         if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].fused_forwards:
             raise ConfigError(f"{self.model_dir.path}: {cfg.architecture} runs on --device cpu only so far (no CUDA "
                               f"kernels for its layers yet)")
@@ -108,7 +106,7 @@ class LLMEngine:
         self.scheduler: Scheduler | None = None
         try:
             available = self.executor.determine_available_memory()
-            self.num_blocks = num_kv_blocks(params, cfg, self.dtype, self.max_model_len, available)
+            self.num_blocks = num_kv_blocks(params, cfg, self.kv_dtype, self.max_model_len, available)
             self.executor.init_cache(self.num_blocks)
             self.scheduler = self._build_scheduler(connector_cls, self.num_blocks)
             self.kv_events = self._open_kv_events()

@@ -35,11 +35,15 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "auto" reads safetensors; "dummy" builds random weights from config.json alone.
     load_format: Literal["auto", "dummy"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto: float32 on CPU, bfloat16 on CUDA. The KV pages use the model dtype.
+    # auto: float32 on CPU, bfloat16 on CUDA. The KV pages use it too unless kv_cache_dtype says fp8.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # vLLM's --kv-cache-dtype: "auto" (the model's dtype), or that dtype spelled out; the engine
-    # refuses any other (an fp8 cache, a float dtype other than the model's) in one line.
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or that dtype spelled out, or an fp8
+    # cache ("fp8"/"fp8_e4m3": e4m3, "fp8_e5m2") with the checkpoint's per-layer k/v scales (1.0
+    # where it has none); the engine refuses the rest (int8, another float dtype) in one line.
     kv_cache_dtype: str = "auto"
+    # vLLM's --calculate-kv-scales: an fp8 cache's per-layer scales from the first K/V each layer
+    # stores (max |k| / 200, max |v| / 100) instead of the checkpoint's; ignored by other caches.
+    calculate_kv_scales: bool = False
     seed: int = 0
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None

@@ -159,17 +159,18 @@ def test_refused_keys_are_refused_before_values_and_left_out_of_the_known_keys()
         parse_extra("C", keys, {"knobs": [1]})
 
 
-def test_kv_cache_dtype_takes_vllms_names_and_runs_the_models_own(run_kvtool, tiny_model_dir):
-    """vLLM's --kv-cache-dtype: `auto` and the model's own dtype run; an fp8 cache and another float
-    dtype are refused in one line saying why; a name vLLM does not have is refused naming them."""
+def test_kv_cache_dtype_takes_vllms_names_and_runs_the_models_own_and_fp8(run_kvtool, tiny_model_dir):
+    """vLLM's --kv-cache-dtype: `auto`, the model's own dtype and the fp8 caches run; int8 and
+    another float dtype are refused in one line saying why; a name vLLM does not have is refused
+    naming them."""
     assert "got 'fp9'" in refusal(EngineParams, kv_cache_dtype="fp9")
     base = ["generate", "--model", tiny_model_dir, "--device", "cpu", "--kv-cache-memory", "64M", "--prompt", "hi",
             "--max-tokens", "2"]
-    for value in ("auto", "float32"):
+    for value in ("auto", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"):
         code, _, err = run_kvtool(base + ["--kv-cache-dtype", value])
         assert code == 0, err
-    for value, why in (("fp8", "an fp8 or int8 KV cache is not supported yet"),
-                       ("bfloat16", "the KV cache is kept in the model's dtype")):
+    for value, why in (("int8", "only fp8, fp8_e4m3 and fp8_e5m2 caches are supported"),
+                       ("bfloat16", "the KV cache is kept in the model's dtype or in fp8")):
         code, _, err = run_kvtool(base + ["--kv-cache-dtype", value])
         line = err.strip().splitlines()[-1]
-        assert code != 0 and why in line and "(this engine's: auto or float32)" in line, err
+        assert code != 0 and why in line and "(this engine's: auto, float32, fp8, fp8_e4m3 or fp8_e5m2)" in line, err

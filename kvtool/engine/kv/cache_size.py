@@ -16,7 +16,8 @@ from kvtool.engine.params import EngineParams
 
 
 def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) -> KVGeometry:
-    """The geometry of one rank's KV pages: the model's layers, the rank's share of its KV heads."""
+    """The geometry of one rank's KV pages of `dtype` (the KV cache's: the model's, or fp8): the
+    model's layers, the rank's share of its KV heads."""
     return KVGeometry(
         num_layers=config.num_layers,
         num_kv_heads=kv_head_range(config.num_kv_heads, tp)[1],
@@ -27,7 +28,8 @@ def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) ->
 
 
 def num_kv_blocks(params: EngineParams, config, dtype: torch.dtype, max_model_len: int, available: list[int]) -> int:
-    """KV blocks per rank (--num-gpu-blocks when given); available: each rank's bytes for KV pages."""
+    """KV blocks per rank (--num-gpu-blocks when given) of pages of `dtype` (the KV cache's);
+    available: each rank's bytes for KV pages."""
     if params.num_gpu_blocks is not None:
         return params.num_gpu_blocks
     geometry = rank_kv_geometry(config, params.block_size, dtype, TPRank(params.tensor_parallel_size, 0))

@@ -1,4 +1,4 @@
-"""What an engine is: its device and dtype from the settings, and the identity stored KV is stamped with.
+"""What an engine is: its device, dtype and KV cache dtype from the settings, and the identity stored KV is stamped with.
 
 One derivation for every caller: the engine, `inspect --model` and the connectors' tests.
 """
@@ -13,7 +13,9 @@ import torch
 from kvtool.engine.connectors.base import EngineIdentity
 from kvtool.engine.core.hashing import resolve_none_hash_seed
 from kvtool.engine.errors import ConfigError
+from kvtool.engine.kv.dtypes import FP8_KV_DTYPES
 from kvtool.engine.kv.pages import DTYPE_NAMES, DTYPES, KVGeometry
+from kvtool.engine.kv.scales import KVScales, read_kv_scales
 from kvtool.engine.params import EngineParams
 from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME
 
@@ -32,6 +34,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pages' dtype for vLLM's --kv-cache-dtype: the model's (`auto` or its own name), or
+    an fp8 one (`fp8` and `fp8_e4m3`: e4m3, as on CUDA; `fp8_e5m2`). Raises ConfigError, one
+    line, for the rest."""
+    model = DTYPE_NAMES[dtype]
+    if kv_cache_dtype in ("auto", model):
+        return dtype
+    if kv_cache_dtype in FP8_KV_DTYPES:
+        return DTYPES[FP8_KV_DTYPES[kv_cache_dtype]]
+    if kv_cache_dtype in ("bfloat16", "float16", "float32"):
+        why = "the KV cache is kept in the model's dtype or in fp8"
+    else:
+        why = "only fp8, fp8_e4m3 and fp8_e5m2 caches are supported (no int8, Intel Gaudi or MLA caches)"
+    raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: {why} (this engine's: auto, {model}, fp8, fp8_e4m3 "
+                      f"or fp8_e5m2)")
+
+
+def kv_cache_scales(params: EngineParams, model_dir, kv_dtype: torch.dtype) -> KVScales | None:
+    """An fp8 cache's scales: the checkpoint's (1.0 where it has none, and for dummy weights;
+    the starting values when --calculate-kv-scales replaces them); None for a cache in the
+    model's dtype."""
+    from kvtool.engine.models.model_dir import weight_files
+
+    if DTYPE_NAMES[kv_dtype] not in FP8_KV_DTYPES.values():
+        return None
+    num_layers = model_dir.config.num_layers
+    if params.load_format == "dummy" or params.calculate_kv_scales:
+        return KVScales.ones(num_layers)
+    return read_kv_scales(weight_files(model_dir.path)[0], num_layers)
+
+
 def _rope_digest(config, max_model_len: int) -> str:
     doc = {"rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling}
     scaling = config.rope_scaling or {}
@@ -46,7 +79,9 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
     from kvtool.engine.models.quantization import identity_name
 
     cfg = model_dir.config
-    kv_dtype = DTYPE_NAMES[dtype]
+    kv_torch_dtype = resolve_kv_dtype(params.kv_cache_dtype, dtype)
+    kv_dtype = DTYPE_NAMES[kv_torch_dtype]
+    scales = kv_cache_scales(params, model_dir, kv_torch_dtype)
     return EngineIdentity(
         model_name=params.model if params.model is not None else DEFAULT_MODEL_NAME,
         architecture=cfg.architecture,
@@ -56,7 +91,7 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
         sliding_window=cfg.sliding_window or 0,
         weight_quantization=identity_name(cfg.quantization),  # an FP8 checkpoint's method and scheme
         kv_dtype=kv_dtype,
-        kv_quantization="none",
+        kv_quantization="none" if scales is None else scales.describe(),
         geometry=KVGeometry(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,

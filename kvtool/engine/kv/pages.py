@@ -9,6 +9,11 @@
 
 One block of all layers is one contiguous range, so moving a block to or from a tier is one
 copy; and for its tokens the bytes are already LMCache's KV_2LTD order `[2, L, T, H*D]`.
+
+An fp8 cache (`--kv-cache-dtype fp8`) holds each value as fp8(x / scale), saturated at the
+dtype's largest finite value and rounded to nearest even, with one float32 scale per layer for K
+and one for V (vLLM's per-tensor `k_scale`/`v_scale`); readers compute fp8 * scale in float32
+and round to the model's dtype, as vLLM's Triton attention does. The tiers move the fp8 bytes.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import msgspec
 import torch
 
 from kvtool.engine.errors import KVRefused
-from kvtool.engine.kv.dtypes import ELEMENT_BYTES, torch_dtype
+from kvtool.engine.kv.dtypes import FP8_MAX, KV_ELEMENT_BYTES, torch_dtype
 
 Layout = Literal["block_major", "KV_2LTD"]
+# vLLM's --calculate-kv-scales divisors (its K_SCALE_CONSTANT and V_SCALE_CONSTANT).
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
-DTYPES = {name: torch_dtype(name) for name in ELEMENT_BYTES}
+DTYPES = {name: torch_dtype(name) for name in KV_ELEMENT_BYTES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -35,11 +42,21 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "float8_e5m2"
 
     @property
     def element_size(self) -> int:
-        return ELEMENT_BYTES[self.dtype]
+        return KV_ELEMENT_BYTES[self.dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """An fp8 cache: values stored divided by their layer's scale."""
+        return self.dtype in FP8_MAX
+
+    @property
+    def storage_dtype(self) -> str:
+        """The dtype vLLM allocates its pages in, which LMCache keys and moves: uint8 for an fp8 cache."""
+        return "uint8" if self.quantized else self.dtype
 
     @property
     def kv_hidden_size(self) -> int:
@@ -75,7 +92,8 @@ def refuse_geometry_mismatch(recorded: KVGeometry, actual: KVGeometry, what: str
 class KVPages:
     """Owns the KV tensor. Writers: the attention layers (new tokens) and connectors (scatter)."""
 
-    def __init__(self, geometry: KVGeometry, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, geometry: KVGeometry, num_blocks: int, device: torch.device,
+                 k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None) -> None:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
@@ -89,6 +107,62 @@ class KVPages:
             dtype=DTYPES[g.dtype],
             device=device,
         )
+        # [L] float32 each, on the pages' device (kernels read them there): 1.0 unless given.
+        ones = [1.0] * g.num_layers
+        self.k_scale = torch.tensor(ones if k_scales is None else list(k_scales), dtype=torch.float32, device=device)
+        self.v_scale = torch.tensor(ones if v_scales is None else list(v_scales), dtype=torch.float32, device=device)
+        if self.k_scale.shape != (g.num_layers,) or self.v_scale.shape != (g.num_layers,):
+            raise ValueError(f"KV scales must be one per layer ({g.num_layers})")
+        # --calculate-kv-scales: the layers whose scales still wait for their first K/V.
+        self._scales_pending: set[int] = set()
+
+    def calculate_scales_from_next_kv(self) -> None:
+        """vLLM's --calculate-kv-scales for an fp8 cache: each layer's scales become those of the
+        next K/V it stores (the runner arms this once its warm-up steps are done)."""
+        if self.quantized:
+            self._scales_pending = set(range(self.geometry.num_layers))
+
+    @property
+    def scales_pending(self) -> bool:
+        """Some layer's scales are still to be calculated from its next K/V."""
+        return bool(self._scales_pending)
+
+    def calculate_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's scales from k, v [T, H, D], the first real K/V it stores after
+        `calculate_scales_from_next_kv` (max |k| / 200, max |v| / 100: vLLM's K_SCALE_CONSTANT
+        and V_SCALE_CONSTANT), updated in place (graphs read them by address), once. A no-op for
+        a layer that has its scales, or for no tokens."""
+        if layer not in self._scales_pending or k.shape[0] == 0:
+            return
+        self._scales_pending.discard(layer)
+        self.k_scale[layer].copy_(k.abs().amax().float() / K_SCALE_CONSTANT)
+        self.v_scale[layer].copy_(v.abs().amax().float() / V_SCALE_CONSTANT)
+
+    @property
+    def quantized(self) -> bool:
+        return self.geometry.quantized
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x in the pages' dtype: fp8(x / scale) saturated, for an fp8 cache; else x converted."""
+        if not self.quantized:
+            return x.to(self.tensor.dtype)
+        limit = FP8_MAX[self.geometry.dtype]
+        return (x.float() / scale).clamp_(-limit, limit).to(self.tensor.dtype)
+
+    def dequantize(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored values x as `dtype`: fp8 * scale in float32, rounded once; else x converted."""
+        if not self.quantized:
+            return x.to(dtype)
+        return (x.float() * scale).to(dtype)
+
+    def select(self, layer: int, kv: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks `block_ids` of one layer's K (kv=0) or V (kv=1) into out [n, bs, H, D], in out's dtype."""
+        pages = self.tensor[:, kv, layer]
+        if not self.quantized and out.dtype == pages.dtype:
+            torch.index_select(pages, 0, block_ids, out=out)
+            return
+        scale = (self.k_scale if kv == 0 else self.v_scale)[layer]
+        out.copy_(self.dequantize(pages.index_select(0, block_ids), scale, out.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -97,16 +171,23 @@ class KVPages:
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor
     ) -> None:
-        """Store new tokens' K and V ([T, H, D] each) at (block_ids[t], offsets[t]) of one layer."""
-        self.tensor[block_ids, 0, layer, offsets] = k.to(self.tensor.dtype)
-        self.tensor[block_ids, 1, layer, offsets] = v.to(self.tensor.dtype)
+        """Store new tokens' K and V ([T, H, D] each) at (block_ids[t], offsets[t]) of one layer
+        (quantised with the layer's scales in an fp8 cache)."""
+        self.calculate_scales(layer, k, v)
+        self.tensor[block_ids, 0, layer, offsets] = self.quantize(k, self.k_scale[layer])
+        self.tensor[block_ids, 1, layer, offsets] = self.quantize(v, self.v_scale[layer])
 
-    def read_layer(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for a sequence's first num_tokens tokens. Returns ([T, H, D], [T, H, D])."""
+    def read_layer(self, layer: int, block_ids: torch.Tensor, num_tokens: int,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for a sequence's first num_tokens tokens, as `dtype` (default the
+        pages'; an fp8 cache's values come back dequantised). Returns ([T, H, D], [T, H, D])."""
         g = self.geometry
         kv = self.tensor[block_ids, :, layer]  # [nb, 2, bs, H, D]
         kv = kv.transpose(0, 1).reshape(2, -1, g.num_kv_heads, g.head_dim)[:, :num_tokens]
-        return kv[0], kv[1]
+        if dtype is None:
+            return kv[0], kv[1]
+        return (self.dequantize(kv[0], self.k_scale[layer], dtype),
+                self.dequantize(kv[1], self.v_scale[layer], dtype))
 
     def gather(self, block_ids: Sequence[int], layout: Layout = "block_major", num_tokens: int | None = None) -> torch.Tensor:
         """Copy blocks out into a new contiguous tensor.
@@ -115,7 +196,10 @@ class KVPages:
         tokens of the blocks (default: all of them).
         """
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        blocks = self.tensor.index_select(0, idx)
+        if self.quantized:
+            blocks = self.tensor.view(torch.uint8).index_select(0, idx).view(self.tensor.dtype)
+        else:
+            blocks = self.tensor.index_select(0, idx)
         if layout == "block_major":
             return blocks
         g = self.geometry
@@ -126,18 +210,24 @@ class KVPages:
         return out[:, :, :n].contiguous()
 
     def scatter(self, block_ids: Sequence[int], data: torch.Tensor, layout: Layout = "block_major", num_tokens: int | None = None) -> None:
-        """Write a gathered tensor (same layout and shape as `gather` returns) back into blocks."""
+        """Write a gathered tensor (same layout and shape as `gather` returns) back into blocks.
+        An fp8 cache also takes its bytes as uint8 (what vLLM allocates and LMCache moves)."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if self.quantized and data.dtype == torch.uint8:
+            data = data.view(self.tensor.dtype)
         data = data.to(device=self.device, dtype=self.tensor.dtype)
+        pages = self.tensor
+        if self.quantized:  # moved as bytes (torch has no index_copy_ of fp8 on every device)
+            pages, data = pages.view(torch.uint8), data.view(torch.uint8)
         if layout == "block_major":
-            self.tensor.index_copy_(0, idx, data)
+            pages.index_copy_(0, idx, data)
             return
         g = self.geometry
         total = len(block_ids) * g.block_size
         n = total if num_tokens is None else num_tokens
         if n == total:
             blocks = data.reshape(2, g.num_layers, len(block_ids), g.block_size, g.num_kv_heads, g.head_dim)
-            self.tensor.index_copy_(0, idx, blocks.permute(2, 0, 1, 3, 4, 5))
+            pages.index_copy_(0, idx, blocks.permute(2, 0, 1, 3, 4, 5))
             return
         # Partial last block: write token by token range so the tail of the block is untouched.
         for i, b in enumerate(block_ids):
@@ -145,4 +235,4 @@ class KVPages:
             if hi <= lo:
                 break
             part = data[:, :, lo:hi].reshape(2, g.num_layers, hi - lo, g.num_kv_heads, g.head_dim)
-            self.tensor[b, :, :, : hi - lo] = part
+            pages[b, :, :, : hi - lo] = part

@@ -11,7 +11,7 @@ module's `fast_forward` field (and the LM head's `logits_product`) to the forwar
   weight and bias (Qwen2's q/k/v biases; the three parameters become views of them), then one
   kernel that splits q/k/v, applies Qwen3's per-head q/k RMSNorm and RoPE, and writes q, k, v
   contiguous (eager: 14 kernels), and k, v into the KV pages at the step's slots as well (the
-  separate store kernel is skipped);
+  separate store kernel is skipped; into fp8 pages quantised as `triton_ops.store_kv` does);
 * gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
 * MoE block (Mixtral, Qwen3-MoE): the router through `linear`, the routing in torch ops, the
   experts through `kernels.fused_moe` over weights stacked per block (`SparseMoeBlock.stack_experts`);
@@ -41,9 +41,11 @@ import triton.language as tl
 from torch import nn
 
 from kvtool.engine.kernels.attention import attend, attend_rows, current_metadata
+from kvtool.engine.kernels.attention.triton_ops import page_scales, quantize_kv
 from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.fused_moe import fused_experts
 from kvtool.engine.kernels.row_invariant_gemm import linear
+from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.models.fp8_linear import Fp8Linear, concat_fp8_linears
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
@@ -96,9 +98,9 @@ def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, inter, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(src, dst, page_dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr,
+def _norm_rope_heads(src, dst, page_dst, page_scale_ptr, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr,
                      H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                     HAS_NORM: tl.constexpr, TO_PAGE: tl.constexpr):
+                     HAS_NORM: tl.constexpr, TO_PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     h = tl.arange(0, H_PAD)
     c = tl.arange(0, HALF_PAD)
     mask = (h < NUM_HEADS)[:, None] & (c < HALF)[None, :]
@@ -121,21 +123,28 @@ def _norm_rope_heads(src, dst, page_dst, w_ptr, cos1, cos2, sin1, sin2, eps, NUM
     tl.store(dst + off + HALF, o2, mask=mask)
     if TO_PAGE:
         # The token's row in the KV pages: heads dense, as in the contiguous output.
-        tl.store(page_dst + off, o1.to(page_dst.dtype.element_ty), mask=mask)
-        tl.store(page_dst + off + HALF, o2.to(page_dst.dtype.element_ty), mask=mask)
+        if KV_FP8:
+            page_scale = tl.load(page_scale_ptr)
+            tl.store(page_dst + off, quantize_kv(o1, page_scale, page_dst, FP8_MAX), mask=mask)
+            tl.store(page_dst + off + HALF, quantize_kv(o2, page_scale, page_dst, FP8_MAX), mask=mask)
+        else:
+            tl.store(page_dst + off, o1.to(page_dst.dtype.element_ty), mask=mask)
+            tl.store(page_dst + off + HALF, o2.to(page_dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _qkv_norm_rope_kernel(
     qkv_ptr, stride_qkv, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, stride_cs, qw_ptr, kw_ptr, eps,
-    pages_ptr, layer_off, stride_blk, stride_kv, slot_ptr, stride_slot,
+    pages_ptr, layer_off, stride_blk, stride_kv, slot_ptr, stride_slot, k_scale_ptr, v_scale_ptr, layer,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, HAS_NORM: tl.constexpr, TO_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """One token: q and k rotated (after their per-head RMSNorm for Qwen3), v copied; all
     contiguous out, and with TO_PAGES k and v also written at the token's page slot (a negative
     slot, a CUDA graph's padding row, writes nothing there): the step's separate store kernel
-    is then not needed."""
+    is then not needed. With KV_FP8 the page values are quantised with the layer's scales, from
+    the rounded k and v the contiguous outputs hold, as `triton_ops.store_kv` quantises them."""
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     HALF_PAD: tl.constexpr = DP // 2
@@ -154,8 +163,8 @@ def _qkv_norm_rope_kernel(
         to_page = slot >= 0
         safe = tl.maximum(slot, 0)
         page_row = pages_ptr + layer_off + (safe // BLOCK_SIZE) * stride_blk + (safe % BLOCK_SIZE) * (HKV * D)
-    _norm_rope_heads(row, q_ptr + t * HQ * D, q_ptr, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD, D, HALF,
-                     HALF_PAD, HAS_NORM, False)
+    _norm_rope_heads(row, q_ptr + t * HQ * D, q_ptr, k_scale_ptr, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD,
+                     D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX)
     hv = tl.arange(0, HKV_PAD)
     d = tl.arange(0, DP)
     vmask = (hv < HKV)[:, None] & (d < D)[None, :]
@@ -163,12 +172,16 @@ def _qkv_norm_rope_kernel(
     vrow = tl.load(row + (HQ + HKV) * D + voff, mask=vmask)
     tl.store(v_ptr + t * HKV * D + voff, vrow, mask=vmask)
     if to_page:
-        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
-                         HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, True)
-        tl.store(page_row + stride_kv + voff, vrow, mask=vmask)
+        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, k_scale_ptr + layer, kw_ptr, cos1, cos2, sin1,
+                         sin2, eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, True, KV_FP8, FP8_MAX)
+        if KV_FP8:
+            tl.store(page_row + stride_kv + voff, quantize_kv(vrow, tl.load(v_scale_ptr + layer), page_row, FP8_MAX),
+                     mask=vmask)
+        else:
+            tl.store(page_row + stride_kv + voff, vrow, mask=vmask)
     else:
-        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, kw_ptr, cos1, cos2, sin1, sin2, eps, HKV,
-                         HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False)
+        _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, k_scale_ptr, kw_ptr, cos1, cos2, sin1, sin2,
+                         eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,12 +228,14 @@ def qkv_norm_rope(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     pages: torch.Tensor | None = None, layer: int = 0, slots: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (Hq + 2 Hkv) * D], normalise q/k per head when weights are given, rotate them
     by cos/sin [T, D]. Returns contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
 
     With `pages` ([NB, 2, L, bs, Hkv, D], dense within a block's token rows) and `slots` [T]
-    (flat slots, a strided view is fine; negative: skip), k and v are also written into layer `layer`'s pages."""
+    (flat slots, a strided view is fine; negative: skip), k and v are also written into layer `layer`'s pages
+    (fp8 pages: quantised with the layer's scales of k_scale / v_scale, [L] float32)."""
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -230,7 +245,10 @@ def qkv_norm_rope(
             cos, sin = cos.contiguous(), sin.contiguous()
         has_norm = q_weight is not None
         to_pages = pages is not None
+        ks = vs = qkv
+        fp8_max = None
         if to_pages:
+            ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
             _, _, _, block_size, hkv, d = pages.shape
             if (hkv, d) != (num_kv_heads, head_dim) or pages.stride(3) != hkv * d or pages.stride(5) != 1 \
                     or pages.stride(4) != d:
@@ -240,10 +258,11 @@ def qkv_norm_rope(
             q_weight if has_norm else qkv, k_weight if has_norm else qkv, eps,
             pages if to_pages else qkv, layer * pages.stride(2) if to_pages else 0,
             pages.stride(0) if to_pages else 0, pages.stride(1) if to_pages else 0,
-            slots if to_pages else qkv, slots.stride(0) if to_pages else 0,
+            slots if to_pages else qkv, slots.stride(0) if to_pages else 0, ks, vs, layer,
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV=num_kv_heads, HKV_PAD=triton.next_power_of_2(num_kv_heads),
             D=head_dim, DP=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, TO_PAGES=to_pages, BLOCK_SIZE=pages.shape[3] if to_pages else 1,
+            KV_FP8=fp8_max is not None, FP8_MAX=fp8_max or 0.0,
             num_warps=4,
         )
     return q, k, v
@@ -307,15 +326,20 @@ def qkv_projection(attn: LlamaAttention, x: torch.Tensor) -> torch.Tensor:
 
 def rotate_qkv(
     attn: LlamaAttention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    pages: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+    kv_pages: KVPages | None = None, slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`qkv_norm_rope` with the layer's heads and q/k norms; k/v also into `pages` at `slots` when given."""
+    """`qkv_norm_rope` with the layer's heads and q/k norms; k/v also into `kv_pages` (with their
+    scales) at `slots` when given."""
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
+    pages = kv_pages.tensor if kv_pages is not None else None
+    k_scale = kv_pages.k_scale if kv_pages is not None else None
+    v_scale = kv_pages.v_scale if kv_pages is not None else None
     return qkv_norm_rope(
         qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.eps if q_norm is not None else 0.0, pages=pages, layer=attn.layer_idx, slots=slots,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -326,10 +350,11 @@ def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor
     qkv = qkv_projection(attn, x)
     meta = current_metadata()
     db = meta.device_batch
-    into_pages = db is not None
+    # While --calculate-kv-scales waits for this step's K/V, `attend` stores them after the scales.
+    into_pages = db is not None and not meta.kv_pages.scales_pending
     if into_pages and meta.hooks is not None:
         meta.hooks.before_layer(attn.layer_idx)
-    q, k, v = rotate_qkv(attn, qkv, cos, sin, meta.kv_pages.tensor if into_pages else None,
+    q, k, v = rotate_qkv(attn, qkv, cos, sin, meta.kv_pages if into_pages else None,
                          db.slot_mapping if into_pages else None)
     return q, k, v, into_pages
 

@@ -194,7 +194,10 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(kv_pages)
         geometry = kv_pages.geometry
-        self.backend = "reference" if backend == "reference" else select_backend(device, kv_pages.tensor.dtype, geometry.head_dim)
+        # fp8 pages hold another dtype than the model's activations, in which the kernels compute.
+        model_dtype = model.model.embed_tokens.weight.dtype if kv_pages.quantized else None
+        self.backend = "reference" if backend == "reference" else select_backend(
+            device, kv_pages.tensor.dtype, geometry.head_dim, model_dtype)
         self.graphs = None
         self.prefill_graphs = None  # a step of one prompt token alone (`prefill_graphs`), with `graphs`
         self.staging = PinnedStaging(torch.int32) if device.type == "cuda" else None  # the packed steps' host side
@@ -438,7 +441,8 @@ class ModelRunner:
             device_batch=step.batch, row_invariant=bool(prefill) or invariant,
         )
         self._order_page_writes(step.written_blocks)
-        if self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1:
+        if (self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1
+                and not self.kv_pages.scales_pending):  # the graphs store K/V under the scales they have
             hidden = self.prefill_graphs.run(step.input_ids, step.positions, meta)  # its one row
         else:
             with attention_context(meta):

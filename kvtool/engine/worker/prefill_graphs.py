@@ -55,7 +55,9 @@ class OneTokenPrefillGraphs:
         self.inputs = torch.zeros(12, dtype=torch.int32, device=device)
         self.ids, self.positions, self.slots = self.inputs[0:1], self.inputs[4:5], self.inputs[8:9]
         first = self.decoder.layers[0].self_attn
-        self.attn_out = torch.zeros((1, first.num_heads, first.head_dim), dtype=kv_pages.tensor.dtype, device=device)
+        # In the activations' dtype, q's (fp8 pages hold another).
+        dtype = self.decoder.embed_tokens.weight.dtype
+        self.attn_out = torch.zeros((1, first.num_heads, first.head_dim), dtype=dtype, device=device)
         self.graphs: list[torch.cuda.CUDAGraph] = []  # the input graph, then (rope, rest) per layer
         self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rope graph outputs per layer
         self.hidden: torch.Tensor | None = None  # the final norm's output [1, hidden]
@@ -63,7 +65,7 @@ class OneTokenPrefillGraphs:
 
     def capture(self) -> None:
         """Capture every graph (start-up; the kernels are compiled by then)."""
-        decoder, pages = self.decoder, self.kv_pages.tensor
+        decoder = self.decoder
         layers = decoder.layers
         self.inputs.zero_()
         self.inputs[8] = -1  # the capture's runs store nothing in the pages
@@ -93,7 +95,7 @@ class OneTokenPrefillGraphs:
             h, cos, sin, qkv = graphed(start)
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
-                self.qkv.append(graphed(lambda: rotate_qkv(attn, qkv, cos, sin, pages, self.slots)))
+                self.qkv.append(graphed(lambda: rotate_qkv(attn, qkv, cos, sin, self.kv_pages, self.slots)))
 
                 def rest() -> tuple:
                     h_next, x = layer_output(decoder, i, h, attention_output(attn, self.attn_out))

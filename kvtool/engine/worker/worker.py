@@ -19,7 +19,9 @@ import torch
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, WorkerHalf, identity_of_rank
 from kvtool.engine.core.messages import KVConnectorCompletions, SchedulerOutput
 from kvtool.engine.kv.cache_size import rank_kv_geometry
+from kvtool.engine.kv.identity import kv_cache_scales, resolve_kv_dtype
 from kvtool.engine.kv.pages import KVPages
+from kvtool.engine.kv.scales import KVScales
 from kvtool.engine.models.fast_paths import FastPaths, apply_fast_paths
 from kvtool.engine.models.shard_layout import TPRank
 from kvtool.engine.params import EngineParams
@@ -30,7 +32,8 @@ class Worker:
     """The model, KV pages, connector worker half and runner of one rank."""
 
     def __init__(self, model, model_config, params: EngineParams, device: torch.device, dtype: torch.dtype,
-                 tp: TPRank, max_model_len: int, identity: EngineIdentity | None, none_hash: bytes) -> None:
+                 tp: TPRank, max_model_len: int, identity: EngineIdentity | None, none_hash: bytes,
+                 kv_scales: KVScales | None = None) -> None:
         self.model = model
         self.params = params
         self.device = device
@@ -39,7 +42,9 @@ class Worker:
         # The engine's identity (None without a connector); the worker half gets the rank's.
         self.identity = identity
         self.none_hash = none_hash
-        self.geometry = rank_kv_geometry(model_config, params.block_size, dtype, tp)
+        self.geometry = rank_kv_geometry(model_config, params.block_size, resolve_kv_dtype(params.kv_cache_dtype, dtype),
+                                         tp)
+        self.kv_scales = kv_scales  # an fp8 cache's (None: the model's dtype)
         # Built by init_cache.
         self.kv_pages: KVPages | None = None
         self.connector: WorkerHalf | None = None
@@ -60,7 +65,8 @@ class Worker:
         from kvtool.engine.connectors.registry import resolve_connector
 
         p = self.params
-        self.kv_pages = KVPages(self.geometry, num_blocks, self.device)
+        scales = self.kv_scales
+        self.kv_pages = KVPages(self.geometry, num_blocks, self.device, scales and scales.k, scales and scales.v)
         ktc = p.kv_transfer_config
         if self.identity is not None and ktc is not None and ktc.kv_connector is not None:
             identity = identity_of_rank(self.identity, self.tp.size, self.tp.rank)
@@ -75,6 +81,8 @@ class Worker:
             use_cuda_graphs=not p.enforce_eager, backend=p.attention_backend,
             batch_invariant=p.batch_invariant, max_num_seqs=p.max_num_seqs,
         )
+        if p.calculate_kv_scales:  # after the runner's warm-up steps, whose K/V are no request's
+            self.kv_pages.calculate_scales_from_next_kv()
 
     def execute_async(self, so: SchedulerOutput) -> PendingOutput:
         return self.runner.execute_async(so)
@@ -104,4 +112,5 @@ def build_worker(params: EngineParams, model_dir, device: torch.device, dtype: t
     torch.manual_seed(params.seed)
     model = build_model(model_dir, device, dtype, params.load_format, params.seed, tp=tp,
                         max_model_len=max_model_len)
-    return Worker(model, model_dir.config, params, device, dtype, tp, max_model_len, identity, none_hash)
+    scales = kv_cache_scales(params, model_dir, resolve_kv_dtype(params.kv_cache_dtype, dtype))
+    return Worker(model, model_dir.config, params, device, dtype, tp, max_model_len, identity, none_hash, scales)

@@ -44,8 +44,10 @@ class ChunkGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def chunk_geometry_of_pages(geometry: KVGeometry) -> ChunkGeometry:
-    """The chunk a rank with these KV pages writes and can load (its geometry is already per rank)."""
-    return ChunkGeometry(num_layers=geometry.num_layers, kv_hidden_size=geometry.kv_hidden_size, dtype=geometry.dtype)
+    """The chunk a rank with these KV pages writes and can load (its geometry is already per rank);
+    an fp8 cache's chunk is uint8, as vLLM's pages are."""
+    return ChunkGeometry(num_layers=geometry.num_layers, kv_hidden_size=geometry.kv_hidden_size,
+                         dtype=geometry.storage_dtype)
 
 
 def chunk_geometry_of_rank(

@@ -64,7 +64,7 @@ from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chu
 from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.stores.store_factory import open_store
 from kvtool.engine.errors import KVRefused, KVToolError, PeerError
-from kvtool.engine.kv.pages import DTYPES, KVGeometry
+from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.models.shard_layout import TPRank
 
 logger = logging.getLogger("kvtool.lmcache")
@@ -297,7 +297,7 @@ class LMCacheWorker(WorkerHalf):
         self.geometry: KVGeometry = ctx.identity.geometry
         self.chunk_geometry = chunk_geometry_of_pages(self.geometry)
         self.worker_id = settings.worker_id
-        self.dtype = DTYPES[self.geometry.dtype]
+        self.dtype = getattr(torch, self.geometry.storage_dtype)  # an fp8 cache's chunks are uint8
         self.pin = ctx.identity.device_type == "cuda"
         self.putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-put")
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-lmcache-get")
@@ -485,7 +485,7 @@ class LMCacheConnector(KVConnector):
     def _settings(ctx: ConnectorContext) -> tuple[LMCacheSettings, LMCacheKeySettings]:
         identity = ctx.identity
         settings, key_settings = parse_settings(
-            dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.kv_dtype,
+            dict(ctx.config.kv_connector_extra_config), identity.model_name, identity.geometry.storage_dtype,
             identity.geometry.block_size, tp=TPRank(identity.tp_size, identity.tp_rank),
             identity_digest=make_identity_digest(identity),
         )
@@ -501,7 +501,8 @@ class LMCacheConnector(KVConnector):
             address = store_address(settings.remote_url, save_unfull_chunk=settings.save_unfull_chunk,
                                     valkey_enable_ttl=settings.valkey_enable_ttl, valkey_ttl_sec=settings.valkey_ttl_sec)
         g = ctx.identity.geometry
-        full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size), DTYPES[g.dtype])
+        full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size),
+                                     getattr(torch, g.storage_dtype))
         return open_store(address, connections=connections, timeout_s=settings.timeout_s, chunk_header=full_chunk,
                           valkey_ttl_s=address.ttl_s, backoff_s=settings.peer_backoff_s)
 

@@ -61,12 +61,26 @@ Backend = Literal["reference", "cuda"]
 _cuda_attention = None  # kvtool.engine.kernels.attention.cuda.cuda_attention, once the CUDA backend is chosen
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Backend:
-    """'cuda' for a CUDA device with bf16/fp16 pages, an even head_dim in [16, 256] (the kernels
-    pad one that is not a power of two, such as Phi-3's 96, to the next), and Triton importable;
+_FP8_PAGES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def select_backend(
+    device: torch.device, dtype: torch.dtype, head_dim: int, model_dtype: torch.dtype | None = None,
+) -> Backend:
+    """'cuda' for a CUDA device with bf16/fp16 pages (`dtype`), or fp8 pages on a GPU that
+    converts to fp8 (compute capability 8.9 on) with a bf16/fp16 model (`model_dtype`, when
+    given: the kernels compute in q's dtype), an even head_dim in [16, 256] (the kernels pad one
+    that is not a power of two, such as Phi-3's 96, to the next), and Triton importable;
     'reference' otherwise."""
     global _cuda_attention
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda":
+        return "reference"
+    if dtype in _FP8_PAGES:
+        if model_dtype not in (None, torch.bfloat16, torch.float16):
+            return "reference"
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return "reference"
+    elif dtype not in (torch.bfloat16, torch.float16):
         return "reference"
     if head_dim < 16 or head_dim > 256 or head_dim % 2:
         return "reference"
@@ -101,7 +115,7 @@ def attend(
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
-        if q.device.type == "cpu" and meta.kv_pages.tensor.dtype == q.dtype:
+        if q.device.type == "cpu" and (meta.kv_pages.tensor.dtype == q.dtype or meta.kv_pages.quantized):
             out = cpu_flash_attention(meta, layer, q, k, v, scale, window, softcap)
         else:
             out = paged_attention_reference(meta, layer, q, scale, window, softcap)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtool.engine.kernels.attention.context import AttentionMetadata, SeqSpan
+from kvtool.engine.kv.pages import KVPages
 
 KEY_BLOCK = 512  # the CPU flash kernel's key block (kv_split_size)
 # Key-length steps below KEY_BLOCK and from there (multiples of every CPU vector width). Finer
@@ -202,7 +203,9 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor) -> _Plan:
             tiles.append(_Tile(lo - start, n, n_pad, key_length(lo), _tile_mask(lo, hi, n_pad, key_length(lo), dtype, dev),
                                positions, {}))
             lo = hi
-        prefix = s.block_ids[: -(-start // bs)] if start else None
+        # What the pages hold before the step; an fp8 cache's rows read every key from the pages.
+        stored = s.ctx_len if meta.kv_pages.quantized else start
+        prefix = s.block_ids[: -(-stored // bs)] if stored else None
         # Whole pages fit (a block may be longer than KEY_BLOCK); flash reads num_keys of them.
         length = _round_up(n_keys, bs)
         prefills.append(_Prefill(
@@ -264,14 +267,15 @@ def cpu_flash_attention(
 ) -> torch.Tensor:
     """Attention of the packed queries q [T, Hq, D] (T may exceed the step's tokens: rows past
     them are padding and come back zero) over each sequence's keys: the pages for what came
-    before this step, k and v [T, Hkv, D] for the new tokens. The new tokens' K/V must already be
-    in the pages. `window`: the layer's sliding window, or None; `softcap`: its score cap, or
+    before this step, k and v [T, Hkv, D] for the new tokens (in an fp8 cache, the pages for
+    those too: every row attends the stored values, as after a prefix hit). The new tokens' K/V
+    must already be in the pages. `window`: the layer's sliding window, or None; `softcap`: its score cap, or
     None. Returns [T, Hq, D]."""
     plan = meta.extra.get(_PLAN_KEY)
     if plan is None:
         plan = meta.extra[_PLAN_KEY] = _plan(meta, q)
-    pages = meta.kv_pages.tensor
-    k_pages, v_pages = pages[:, 0, layer], pages[:, 1, layer]  # [num_blocks, bs, Hkv, D]
+    pages = meta.kv_pages
+    bs = pages.geometry.block_size
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -280,15 +284,16 @@ def cpu_flash_attention(
         s = p.seq
         keys, values = p.keys, p.values
         if p.prefix_blocks is not None:
-            n = p.prefix_blocks.numel() * k_pages.shape[1]
-            shape = (p.prefix_blocks.numel(), k_pages.shape[1], hkv, d)
-            torch.index_select(k_pages, 0, p.prefix_blocks, out=keys[:n].view(shape))
-            torch.index_select(v_pages, 0, p.prefix_blocks, out=values[:n].view(shape))
+            n = p.prefix_blocks.numel() * bs
+            shape = (p.prefix_blocks.numel(), bs, hkv, d)
+            pages.select(layer, 0, p.prefix_blocks, keys[:n].view(shape))
+            pages.select(layer, 1, p.prefix_blocks, values[:n].view(shape))
             if n > s.ctx_len:  # a chunk ending inside the prefix's last block: unwritten slots
                 keys[s.ctx_len : n] = 0
                 values[s.ctx_len : n] = 0
-        keys[p.start : s.ctx_len] = k[s.q_start : s.q_start + s.q_len]
-        values[p.start : s.ctx_len] = v[s.q_start : s.q_start + s.q_len]
+        if not pages.quantized:  # an fp8 cache's rows attend the stored values (its prefix reaches ctx_len)
+            keys[p.start : s.ctx_len] = k[s.q_start : s.q_start + s.q_len]
+            values[p.start : s.ctx_len] = v[s.q_start : s.q_start + s.q_len]
         for tile in p.tiles:
             lo = s.q_start + tile.row_lo
             rows = q[lo : lo + tile.num_rows]
@@ -300,20 +305,21 @@ def cpu_flash_attention(
             v4 = values[: tile.num_keys].permute(1, 0, 2).unsqueeze(0).expand(group, hkv, tile.num_keys, d)
             o = _flash(q4, k4, v4, _windowed(tile.mask, tile.positions, window, tile.windowed), scale, softcap)  # [G, Hkv, R, D]
             out[lo : lo + tile.num_rows] = o[:, :, : tile.num_rows].permute(2, 1, 0, 3).reshape(tile.num_rows, hq, d)
-    _run_decodes(plan.decodes, k_pages, v_pages, q, out, scale, window, softcap)
+    _run_decodes(plan.decodes, pages, layer, q, out, scale, window, softcap)
     return out
 
 
-def _run_decodes(groups: list[_DecodeGroup], k_pages: torch.Tensor, v_pages: torch.Tensor, q: torch.Tensor,
+def _run_decodes(groups: list[_DecodeGroup], pages: KVPages, layer: int, q: torch.Tensor,
                  out: torch.Tensor, scale: float, window: int | None, softcap: float | None = None) -> None:
-    hkv, d = k_pages.shape[2], k_pages.shape[3]
+    geo = pages.geometry
+    bs, hkv, d = geo.block_size, geo.num_kv_heads, geo.head_dim
     hq = q.shape[1]
     group = hq // hkv
     for g in groups:
         b, n_keys = g.keys.shape[0], g.num_keys
-        shape = (g.block_table.numel(), k_pages.shape[1], hkv, d)
-        torch.index_select(k_pages, 0, g.block_table, out=g.keys.view(shape))
-        torch.index_select(v_pages, 0, g.block_table, out=g.values.view(shape))
+        shape = (g.block_table.numel(), bs, hkv, d)
+        pages.select(layer, 0, g.block_table, g.keys.view(shape))
+        pages.select(layer, 1, g.block_table, g.values.view(shape))
         # Slots past a context hold whatever the pages had there (maybe not even numbers).
         g.keys.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
         g.values.view(-1, hkv * d).index_fill_(0, g.past_context, 0)
@@ -345,7 +351,6 @@ def cpu_flash_rows(meta: AttentionMetadata, layer: int, q: torch.Tensor, rows: t
         order.setdefault(n_keys, []).append(i)
     out_rows = [i for n in sorted(order) for i in order[n]]
     groups = _decode_groups(by_length, g, q.device, q.dtype, q.shape[1] // g.num_kv_heads, out_rows)
-    pages = meta.kv_pages.tensor
     out = q.new_zeros((_round_up(rows.numel(), ROW_MULTIPLE), *q.shape[1:]))
-    _run_decodes(groups, pages[:, 0, layer], pages[:, 1, layer], q, out, scale, window, softcap)
+    _run_decodes(groups, meta.kv_pages, layer, q, out, scale, window, softcap)
     return out

@@ -6,7 +6,12 @@ batch-invariant mode, the fixed-tile one of `triton_tiles`); the prefill rows th
 kernel (`prefill`: Gluon on Hopper, Triton elsewhere), over the new K/V, or over K/V gathered
 from the pages when some sequence has a cached prefix. That kernel gives each row the same bits
 wherever the computation starts, so a prompt computed after a KV hit matches the same prompt
-computed whole."""
+computed whole.
+
+fp8 pages hold the K/V rounded (`KVPages.quantized`): a later hit reads those values back, so
+the prefill rows always attend over K/V gathered from the pages, dequantised to q's dtype, the
+new tokens' too (with no prefix their slots are the step's slots of the prefill rows), and a
+prompt computed whole sees what it would see after a hit."""
 
 from __future__ import annotations
 
@@ -30,9 +35,14 @@ def cuda_attention(
     the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D].
     `window`: the layer's sliding window (each row attends its last `window` keys), or None."""
     db = meta.device_batch if batch is None else batch
-    pages = meta.kv_pages.tensor
+    kv = meta.kv_pages
+    pages = kv.tensor
+    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     if not kv_stored:
-        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping)
+        if kv.scales_pending:  # --calculate-kv-scales: from this step's tokens (eager: the first step is a prefill)
+            real = db.slot_mapping[: k.shape[0]] >= 0
+            kv.calculate_scales(layer, k[real], v[real])
+        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping, **scales)
     nd = db.num_decode
     p = db.prefill
     if out is None:
@@ -40,16 +50,17 @@ def cuda_attention(
     if nd and db.tile_base is not None:
         paged_decode_tiles(
             q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
-            db.num_splits, out[:nd], db.decode_order, window,
+            db.num_splits, out[:nd], db.decode_order, window, **scales,
         )
     elif nd:
         triton_ops.paged_decode(
             q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order,
-            window,
+            window, **scales,
         )
     if p is not None:
-        if p.key_slots is not None:
-            kk, vv = triton_ops.gather_kv(pages, layer, p.key_slots)
+        if p.key_slots is not None or kv.quantized:
+            slots = p.key_slots if p.key_slots is not None else db.slot_mapping[p.q_start :]
+            kk, vv = triton_ops.gather_kv(pages, layer, slots, q.dtype, **scales)
         else:
             kk, vv = k[p.q_start :], v[p.q_start :]
         prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :], window)

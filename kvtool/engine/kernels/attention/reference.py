@@ -22,10 +22,10 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     num_heads = q.shape[1]
     for s in meta.seqs:
-        k, v = meta.kv_pages.read_layer(layer, s.block_ids, s.ctx_len)  # [C, Hkv, D]
+        k, v = meta.kv_pages.read_layer(layer, s.block_ids, s.ctx_len, q.dtype)  # [C, Hkv, D]
         qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, Q, D]
-        k = k.transpose(0, 1).to(q.dtype)
-        v = v.transpose(0, 1).to(q.dtype)
+        k = k.transpose(0, 1)
+        v = v.transpose(0, 1)
         # Grouped-query attention inside SDPA, as transformers computes it (same rounding).
         gqa = num_heads != k.shape[0]
         if softcap is not None:

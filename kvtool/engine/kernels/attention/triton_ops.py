@@ -5,6 +5,14 @@ layer's K and V are addressed in place (no per-layer views are materialised). Sl
 `slot = block * block_size + offset`; a negative slot means "skip this row" (CUDA-graph padding).
 Block offsets are widened to int64 before they are multiplied by the block stride: a block of an
 8B model spans millions of elements and a cache holds tens of thousands of blocks.
+
+fp8 pages (`KVPages.quantized`) hold fp8(clamp(x / scale, -max, max)) with one float32 scale per
+layer for K and one for V (`KVPages.k_scale`, `v_scale`, [L] each); the kernels read them with
+KV_FP8 set: the writers quantise (`quantize_kv`), the readers compute stored * scale in float32
+and round it to q's dtype (or the output's) right after the load, then do the same math as over
+pages of that dtype. Without KV_FP8 the scale pointers are never read (the pages tensor stands in
+for them) and the kernels compute what they compute without scales. The layer index reaches the
+kernels unspecialised, so every layer runs one compiled kernel.
 """
 
 from __future__ import annotations
@@ -13,13 +21,26 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtool.engine.kv import dtypes
+
 
 @triton.jit
+def quantize_kv(x, scale, page_ptr, FP8_MAX: tl.constexpr):
+    """x as fp8 pages at page_ptr store it: x / scale in float32, divided as torch divides (IEEE,
+    rounded to nearest), saturated at +-FP8_MAX (NaN stays NaN), converted to the pages' dtype
+    rounding to nearest even."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return y.to(page_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit(do_not_specialize=["layer"])
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_k, stride_v,
     pages_ptr, layer_off, stride_blk, stride_kv,
-    slot_ptr, stride_slot,
+    slot_ptr, stride_slot, k_scale_ptr, v_scale_ptr, layer,
     BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
@@ -29,15 +50,21 @@ def _store_kv_kernel(
         dst = pages_ptr + layer_off + blk * stride_blk + off * HD
         o = tl.arange(0, HD_PAD)
         mask = o < HD
-        tl.store(dst + o, tl.load(k_ptr + t * stride_k + o, mask=mask), mask=mask)
-        tl.store(dst + stride_kv + o, tl.load(v_ptr + t * stride_v + o, mask=mask), mask=mask)
+        k = tl.load(k_ptr + t * stride_k + o, mask=mask)
+        if KV_FP8:
+            k = quantize_kv(k, tl.load(k_scale_ptr + layer), pages_ptr, FP8_MAX)
+        tl.store(dst + o, k, mask=mask)
+        v = tl.load(v_ptr + t * stride_v + o, mask=mask)
+        if KV_FP8:
+            v = quantize_kv(v, tl.load(v_scale_ptr + layer), pages_ptr, FP8_MAX)
+        tl.store(dst + stride_kv + o, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _gather_kv_kernel(
     pages_ptr, layer_off, stride_blk, stride_kv,
-    slot_ptr, k_out, v_out,
-    BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+    slot_ptr, k_out, v_out, k_scale_ptr, v_scale_ptr, layer,
+    BLOCK_SIZE: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -47,11 +74,17 @@ def _gather_kv_kernel(
     o = tl.arange(0, HD_PAD)
     mask = o < HD
     row = t.to(tl.int64) * HD
-    tl.store(k_out + row + o, tl.load(src + o, mask=mask), mask=mask)
-    tl.store(v_out + row + o, tl.load(src + stride_kv + o, mask=mask), mask=mask)
+    if KV_FP8:
+        k = tl.load(src + o, mask=mask).to(tl.float32) * tl.load(k_scale_ptr + layer)
+        v = tl.load(src + stride_kv + o, mask=mask).to(tl.float32) * tl.load(v_scale_ptr + layer)
+        tl.store(k_out + row + o, k.to(k_out.dtype.element_ty), mask=mask)
+        tl.store(v_out + row + o, v.to(v_out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(k_out + row + o, tl.load(src + o, mask=mask), mask=mask)
+        tl.store(v_out + row + o, tl.load(src + stride_kv + o, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _decode_split_kernel(
     q_ptr, stride_qt, stride_qh,
     pages_ptr, layer_off, stride_blk, stride_kv, stride_tok, stride_h,
@@ -61,9 +94,10 @@ def _decode_split_kernel(
     mid_o_ptr, mid_lse_ptr,
     order_ptr,
     num_q_heads, qk_scale_log2,
+    k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One (KV head, sequence, split): online softmax over the split's tokens for all query
     heads of the KV group at once (rows padded to GROUP_PAD for tl.dot). With WINDOW > 0 the
@@ -98,6 +132,9 @@ def _decode_split_kernel(
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
     kv_base = pages_ptr + layer_off + kvh * stride_h
+    if KV_FP8:
+        ks = tl.load(k_scale_ptr + layer)
+        vs = tl.load(v_scale_ptr + layer)
     for t0 in range(start, end, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
         tmask = offs < end
@@ -105,6 +142,9 @@ def _decode_split_kernel(
         tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
         k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * ks).to(q.dtype)
+            v = (v.to(tl.float32) * vs).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -157,9 +197,26 @@ def _check_pages(pages: torch.Tensor) -> tuple[int, int, int, int]:
     return bs, h, d, pages.stride(2)
 
 
-def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write k, v [T, H, D] of one layer at flat slots [T] (negative: skipped)."""
+def page_scales(
+    pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(K scales, V scales, saturation) as the kernels take them: for fp8 pages their [L] float32
+    scales (required) and their dtype's largest finite value; for other pages the pages tensor
+    twice (pointers never read) and None."""
+    fp8_max = dtypes.FP8_MAX.get(str(pages.dtype).removeprefix("torch."))
+    if fp8_max is None:
+        return pages, pages, None
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{pages.dtype} KV pages need their k_scale and v_scale")
+    return k_scale, v_scale, fp8_max
+
+
+def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write k, v [T, H, D] of one layer at flat slots [T] (negative: skipped); into fp8 pages
+    quantised with the layer's scales of k_scale / v_scale ([L] float32, required there)."""
     bs, h, d, stride_l = _check_pages(pages)
+    ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     t = k.shape[0]
     if t == 0:
         return
@@ -173,22 +230,33 @@ def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
     _store_kv_kernel[(t,)](
         k, v, k.stride(0), v.stride(0),
         pages, layer * stride_l, pages.stride(0), pages.stride(1),
-        slots, slots.stride(0),
-        BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd),
+        slots, slots.stride(0), ks, vs, layer,
+        BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd), KV_FP8=fp8_max is not None,
+        FP8_MAX=fp8_max or 0.0,
     )
 
 
-def gather_kv(pages: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer at flat slots [N] (contiguous int). Returns ([N, H, D], [N, H, D])."""
+def gather_kv(
+    pages: torch.Tensor, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer at flat slots [N] (contiguous int), as `dtype` (default: the pages'; fp8
+    pages need it, and their values come back dequantised with the layer's scales of k_scale /
+    v_scale, [L] float32). Returns ([N, H, D], [N, H, D])."""
     bs, h, d, stride_l = _check_pages(pages)
+    ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
+    if dtype is None:
+        if fp8_max is not None:
+            raise ValueError("K/V gathered from fp8 pages need a dtype")
+        dtype = pages.dtype
     n = slots.shape[0]
-    k = torch.empty((n, h, d), dtype=pages.dtype, device=pages.device)
+    k = torch.empty((n, h, d), dtype=dtype, device=pages.device)
     v = torch.empty_like(k)
     if n:
         hd = h * d
         _gather_kv_kernel[(n,)](
-            pages, layer * stride_l, pages.stride(0), pages.stride(1), slots, k, v,
-            BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd),
+            pages, layer * stride_l, pages.stride(0), pages.stride(1), slots, k, v, ks, vs, layer,
+            BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd), KV_FP8=fp8_max is not None,
         )
     return k, v
 
@@ -210,6 +278,9 @@ def paged_decode(
     out: torch.Tensor,
     order: torch.Tensor | None = None,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per sequence over its pages (its last `window` keys when
     given); writes out.
@@ -218,8 +289,11 @@ def paged_decode(
     a zero row); out [B, Hq, D] in q's dtype. num_splits is fixed by the caller (a captured graph
     keeps it); empty splits exit at once. `order` [B] int32, a permutation of the rows: the
     order in which the GPU is given them (`attention.context.longest_first`); None: row order.
+    fp8 pages are read dequantised to q's dtype with the layer's scales of k_scale / v_scale
+    ([L] float32, required there).
     """
     bs, hkv, d, stride_l = _check_pages(pages)
+    ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     b, hq, _ = q.shape
     if b == 0:
         return
@@ -239,9 +313,10 @@ def paged_decode(
         out, out.stride(0), out.stride(1),
         mid_o, mid_lse,
         order if order is not None else context_lens,
-        hq, scale * 1.4426950408889634,
+        hq, scale * 1.4426950408889634, ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits, HAS_ORDER=order is not None, WINDOW=window or 0,
+        KV_FP8=fp8_max is not None,
         # Two warps and three stages stream the pages faster on an H200 than four warps and two
         # stages for batches of 16 to 256 sequences, and as fast at batch 1.
         num_warps=2, num_stages=3,

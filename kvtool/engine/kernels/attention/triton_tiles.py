@@ -14,6 +14,9 @@ What a row gets still depends on its context and W alone.
 
 Tile slots are flat: sequence b's tiles start at `tile_base[b]`, the exclusive prefix sum of
 ceil(context / TILE) (`context.tile_bases`), so the partials take one row per tile of the batch.
+
+fp8 pages are read as `triton_ops` reads them: each K/V tile dequantised to q's dtype after its
+load (KV_FP8), the same math after that.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton.language as tl
 from kvtool.engine.kernels.attention.context import TILE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _tile_partials_kernel(
     q_ptr, stride_qt, stride_qh,
     pages_ptr, layer_off, stride_blk, stride_kv, stride_tok, stride_h,
@@ -33,8 +36,10 @@ def _tile_partials_kernel(
     ctx_ptr, stride_ctx, base_ptr, stride_base,
     mid_o_ptr, mid_lse_ptr, order_ptr,
     num_q_heads, num_programs, qk_scale_log2,
+    k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each."""
     kvh = tl.program_id(0)
@@ -65,6 +70,9 @@ def _tile_partials_kernel(
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
     kv_base = pages_ptr + layer_off + kvh * stride_h
+    if KV_FP8:
+        ks = tl.load(k_scale_ptr + layer)
+        vs = tl.load(v_scale_ptr + layer)
     # One flat loop over the run (the loads pipeline across tile edges); the state is written
     # out and reset at each tile's last block.
     for t0 in range(start, end, BLOCK_N):
@@ -74,6 +82,9 @@ def _tile_partials_kernel(
         tok = kv_base + blk.to(tl.int64) * stride_blk + (offs % BLOCK_SIZE) * stride_tok
         k = tl.load(tok[:, None] + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(tok[:, None] + stride_kv + d[None, :], mask=tmask[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * ks).to(q.dtype)
+            v = (v.to(tl.float32) * vs).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -137,16 +148,21 @@ def paged_decode_tiles(
     out: torch.Tensor,
     order: torch.Tensor,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """`triton_ops.paged_decode` with each row's bits independent of the batch (over the last
     `window` keys when given).
 
     tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
     batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
-    int32: the launch order of the rows (a permutation)."""
-    from kvtool.engine.kernels.attention.triton_ops import _check_pages
+    int32: the launch order of the rows (a permutation). fp8 pages need k_scale / v_scale ([L]
+    float32), as for `paged_decode`."""
+    from kvtool.engine.kernels.attention.triton_ops import _check_pages, page_scales
 
     bs, hkv, d, stride_l = _check_pages(pages)
+    ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     b, hq, _ = q.shape
     if b == 0:
         return
@@ -162,9 +178,10 @@ def paged_decode_tiles(
         block_table, block_table.stride(0), block_table.stride(1),
         context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
         mid_o, mid_lse, order,
-        hq, num_programs, scale * 1.4426950408889634,
+        hq, num_programs, scale * 1.4426950408889634, ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, WINDOW=window or 0, num_warps=2, num_stages=3,
+        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, WINDOW=window or 0, KV_FP8=fp8_max is not None,
+        num_warps=2, num_stages=3,
     )
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),

@@ -1,7 +1,8 @@
 """On CPU a request's tokens and logprobs are bit-identical however it is computed: alone or
 batched with requests of other lengths, whole or in chunks, after a prefix-cache hit or after an
 OffloadingConnector hit, with one thread or two. Checked on the tiny preset and on the embedded
-default model, with prompts on both sides of the attention's 512-key blocks.
+default model, each with the model's KV dtype and with an fp8 KV cache (`/fp8`), with prompts on
+both sides of the attention's 512-key blocks.
 
 Logprobs are compared with ==, not within a tolerance.
 """
@@ -22,6 +23,8 @@ from kvtool.engine.params import EngineParams, SamplingParams
 CASES = {
     "tiny": ([5, 38, 300, 530, 1030], 20),
     "default": ([7, 90, 530], 6),
+    "tiny/fp8": ([5, 38, 530, 1030], 12),
+    "default/fp8": ([7, 530], 6),
 }
 
 
@@ -40,25 +43,28 @@ def _outputs(results):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def model(request, tmp_path_factory):
-    """(name, model directory) of the tiny preset with saved weights, or the embedded model."""
-    if request.param == "default":
+    """(case, model directory, KV cache dtype) of the tiny preset with saved weights, or the
+    embedded model."""
+    name, _, kv_cache_dtype = request.param.partition("/")
+    if name == "default":
         from kvtool.engine.presets.default_model import ensure_default_model
 
-        return request.param, str(ensure_default_model())
+        return request.param, str(ensure_default_model()), kv_cache_dtype or "auto"
     from kvtool.engine.presets.catalog import create_model_dir
 
     d = tmp_path_factory.mktemp("models") / "tiny"
     create_model_dir(d, preset="tiny", seed=0)
-    return request.param, str(d)
+    return request.param, str(d), kv_cache_dtype or "auto"
 
 
 @pytest.fixture
 def engines(model):
-    name, path = model
+    name, path, kv_cache_dtype = model
     made = []
 
     def factory(**overrides):
-        params = {"model": path, "device": "cpu", "kv_cache_memory": 256 << 20, **overrides}
+        params = {"model": path, "device": "cpu", "kv_cache_memory": 256 << 20, "kv_cache_dtype": kv_cache_dtype,
+                  **overrides}
         engine = LLMEngine(EngineParams(**params))
         made.append(engine)
         return engine

@@ -104,7 +104,7 @@ class KVIdentity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     rope_digest: str  # digest of rope theta and scaling: positions baked into K
     sliding_window: int | None  # None: full attention
     # -- KV bytes
-    kv_dtype: str  # "float32" | "bfloat16" | "float16"
+    kv_dtype: str  # the pages': "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "float8_e5m2"
     kv_quantization: str  # "none" or the scheme's name
     num_layers: int  # layers this rank stores (its pipeline stage)
     num_kv_heads: int  # KV heads this rank stores (its tensor-parallel shard)
