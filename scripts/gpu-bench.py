@@ -29,6 +29,10 @@ Sections:
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
               engine, no GPU copy)
 
+--kv-cache-dtype fp8 (or fp8_e5m2) runs every engine of both arms with an fp8 KV cache (vLLM's
+flag, passed to vLLM too): each row's metric and measure then end in " [KV fp8]", and the
+CPU-tier hit floors count its bytes (half of bf16's).
+
 Every result is one JSON line in --out (engine, metric, value, unit, floor, ratio, command
 details) and one row of the table printed at the end. Models are presets built from their configs
 with dummy (random) weights.
@@ -66,6 +70,7 @@ OUT: Path | None = None
 QUICK = False
 ENGINES: tuple[str, ...] = ("kvtool",)
 VLLM_SITE: str | None = None
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype: every engine's, in both arms
 VLLM_ARM = Path(__file__).resolve().parent / "gpu-bench-vllm.py"
 VLLM_TIMEOUT_S = 1200  # one vLLM process: start-up, compile, graphs and the section's requests
 
@@ -81,6 +86,10 @@ LM_RUNS = 5
 def record(section: str, metric: str, value: float, unit: str, floor: float | None = None, *,
            engine: str = "kvtool", **detail) -> None:
     """One result row; `measure` in detail names a figure that both engines' arms report."""
+    if KV_CACHE_DTYPE != "auto":
+        metric += f" [KV {KV_CACHE_DTYPE}]"
+        if "measure" in detail:
+            detail["measure"] += f" [KV {KV_CACHE_DTYPE}]"
     row = {"section": section, "engine": engine, "metric": metric, "value": round(value, 4), "unit": unit}
     if floor is not None:
         row["floor"] = round(floor, 4)
@@ -109,7 +118,8 @@ def make_engine(preset: str, **kw):
     from kvtool.engine.engine import LLMEngine
     from kvtool.engine.params import EngineParams
 
-    params = dict(model=model_dir(preset), load_format="dummy", device="cuda", dtype="bfloat16")
+    params = dict(model=model_dir(preset), load_format="dummy", device="cuda", dtype="bfloat16",
+                  kv_cache_dtype=KV_CACHE_DTYPE)
     params.update(kw)
     return LLMEngine(EngineParams(**params))
 
@@ -197,6 +207,8 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
     if VLLM_SITE:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (VLLM_SITE, env.get("PYTHONPATH")) if p)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        if KV_CACHE_DTYPE != "auto":
+            llm = {**llm, "kv_cache_dtype": KV_CACHE_DTYPE}
         json.dump({"model": model_dir(preset), "llm": llm, "jobs": jobs}, f)
         spec = f.name
     rows_path = Path(spec).with_suffix(".rows.jsonl")
@@ -521,7 +533,7 @@ def hit_metric(n: int) -> str:
 
 
 def hit_floor_ms(n: int) -> float:
-    kv_per_token = 147456
+    kv_per_token = 147456 // (2 if KV_CACHE_DTYPE.startswith("fp8") else 1)
     return n * kv_per_token / (H2D_GBS * 1e9) * 1e3 + 3.7
 
 
@@ -1112,7 +1124,7 @@ def side_by_side(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    global OUT, QUICK, ENGINES, VLLM_SITE, MODELS
+    global OUT, QUICK, ENGINES, VLLM_SITE, MODELS, KV_CACHE_DTYPE
     if len(sys.argv) == 7 and sys.argv[1] == "--read-lm":
         read_lm(*map(int, sys.argv[2:]))
         return
@@ -1125,6 +1137,8 @@ def main() -> None:
     ap.add_argument("--vllm-site", metavar="DIR", default=os.environ.get("KVTOOL_VLLM_SITE"),
                     help="an unpacked vLLM site folder, put first on the vLLM arm's PYTHONPATH "
                          "(default: $KVTOOL_VLLM_SITE; unset: the environment's own vLLM)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                    help="every engine's KV cache dtype, both arms (default: auto, the model's)")
     ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
     a = ap.parse_args()
     MODELS = None if a.models is None else {m.strip() for m in a.models.split(",")}
@@ -1137,7 +1151,7 @@ def main() -> None:
         ap.error(f"--vllm-site {a.vllm_site}: no vllm package in it")
     if "vllm" in engines and not set(a.sections) & set(VLLM_SECTIONS):
         ap.error(f"the vllm arm runs in {', '.join(VLLM_SECTIONS)} only")
-    OUT, QUICK, ENGINES = a.out, a.quick, engines
+    OUT, QUICK, ENGINES, KV_CACHE_DTYPE = a.out, a.quick, engines, a.kv_cache_dtype
     if OUT is not None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
     VLLM_SITE = str(Path(a.vllm_site).resolve()) if a.vllm_site else None
