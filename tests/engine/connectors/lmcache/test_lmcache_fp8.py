@@ -49,3 +49,22 @@ def test_fp8_chunks_are_uint8_for_lmcache_and_load_back_bit_identical(make_engin
     again = reader.generate([PROMPT], SAMPLING)[0]
     assert again.stats.num_external_tokens >= 2 * CHUNK
     assert (again.output_token_ids, again.logprobs) == (first.output_token_ids, first.logprobs)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "resp"])
+def test_fp8_chunks_through_redis_load_back_bit_identical(make_engine, redis_server, scheme):
+    """The same over a Redis server, in LMCache's two-key layout (`redis://`, the metadata says
+    uint8) and its raw one (`resp://`): a new engine loads every full chunk, output unchanged."""
+    from kvtool.workloads.redis_server import HOST
+    from tests.support.redis_chunks import prompt, store_config
+
+    url = f"{scheme}://{HOST}:{redis_server.port}"
+    prompts = [prompt(600, 31), prompt(300, 32)]
+    ktc = store_config(url, model_name=f"kvtool-test/fp8-{uuid.uuid4().hex[:8]}")
+    writer = make_engine(kv_cache_dtype="fp8", kv_transfer_config=ktc)
+    first = writer.generate(prompts, SAMPLING)
+    writer.executor.worker.connector.flush()
+    reader = make_engine(kv_cache_dtype="fp8", kv_transfer_config=ktc, enable_prefix_caching=False)
+    again = reader.generate(prompts, SAMPLING)
+    assert [r.stats.num_external_loaded_tokens for r in again] == [512, 256]
+    assert [(r.output_token_ids, r.logprobs) for r in again] == [(r.output_token_ids, r.logprobs) for r in first]

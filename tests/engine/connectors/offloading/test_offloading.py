@@ -34,26 +34,28 @@ def test_cpu_tier_hits_within_one_engine(make_engine):
     assert first.output_token_ids == second.output_token_ids == ref.output_token_ids
 
 
-def _generate_process(env, model_dir, prompts, ktc, tmp_path, name):
+def _generate_process(env, model_dir, prompts, ktc, tmp_path, name, kv_cache_dtype="auto"):
     f = tmp_path / f"{name}.jsonl"
     f.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
     cmd = kvtool_cmd() + ["generate", "--model", str(model_dir), "--prompt-file", str(f), "--json",
-                          "--max-tokens", "8", "--ignore-eos", "--kv-cache-memory", "64M", "--device", "cpu"]
+                          "--max-tokens", "8", "--ignore-eos", "--kv-cache-memory", "64M", "--device", "cpu",
+                          "--kv-cache-dtype", kv_cache_dtype]
     if ktc:
         cmd += ["--kv-transfer-config", ktc]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     return out
 
 
-@pytest.mark.parametrize("lengths", [[48], [2000, 700, 1500]])
-def test_restart_cold_process_promotes_from_disk(tiny_model_dir, cli_env, tmp_path, lengths):
+@pytest.mark.parametrize("lengths,kv_cache_dtype", [([48], "auto"), ([2000, 700, 1500], "auto"),
+                                                    ([2000, 700, 1500], "fp8")])
+def test_restart_cold_process_promotes_from_disk(tiny_model_dir, cli_env, tmp_path, lengths, kv_cache_dtype):
     root = tmp_path / "tier"
     prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
-    ref = _generate_process(cli_env, tiny_model_dir, prompts, None, tmp_path, "ref")
+    ref = _generate_process(cli_env, tiny_model_dir, prompts, None, tmp_path, "ref", kv_cache_dtype)
     assert ref.returncode == 0, ref.stderr
-    a = _generate_process(cli_env, tiny_model_dir, prompts, offload_config(root), tmp_path, "a")
+    a = _generate_process(cli_env, tiny_model_dir, prompts, offload_config(root), tmp_path, "a", kv_cache_dtype)
     assert a.returncode == 0, a.stderr
-    b = _generate_process(cli_env, tiny_model_dir, prompts, offload_config(root), tmp_path, "b")
+    b = _generate_process(cli_env, tiny_model_dir, prompts, offload_config(root), tmp_path, "b", kv_cache_dtype)
     assert b.returncode == 0, b.stderr
     ref_r, a_r, b_r = (json.loads(x.stdout)["requests"] for x in (ref, a, b))
     for n, r0, ra, rb in zip(lengths, ref_r, a_r, b_r):
