@@ -107,11 +107,9 @@ def _with_kv_scales(src, dst, k: float, v: float):
     return dst
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("models") / "tiny"
-    create_model_dir(d, preset="tiny", seed=0)
-    return d
+@pytest.fixture
+def tiny(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_the_identity_names_the_kv_dtype_and_the_scales(tiny, tmp_path):
