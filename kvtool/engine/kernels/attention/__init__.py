@@ -22,8 +22,8 @@ A layer of a sliding-window model passes `window` W: each query row at position 
 at positions (p - W, p] only (transformers' and vLLM's reading of `sliding_window`). The CPU
 paths apply it as a mask over the keys they read, which stay in the pages. A layer may also
 pass `softcap` c (Gemma 2): its scores become tanh(s / c) * c before the mask and the softmax.
-The CUDA kernels take the window (`cuda`); the soft cap runs on CPU only, and the engine refuses
-such a model on CUDA before it builds one.
+Every path takes both: the CPU ones and the reference as masks and caps over the scores they
+compute, the CUDA kernels (`cuda`) as compile-time constants of the layer's kernels.
 """
 
 from __future__ import annotations
@@ -92,11 +92,6 @@ def select_backend(
     return "cuda"
 
 
-def _no_cuda_softcap(softcap: float | None) -> None:
-    if softcap is not None:
-        raise NotImplementedError("the CUDA attention kernels take no soft cap yet")
-
-
 def attend(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_stored: bool = False,
     window: int | None = None, softcap: float | None = None,
@@ -110,8 +105,7 @@ def attend(
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
-        _no_cuda_softcap(softcap)
-        out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored, window=window)
+        out = _cuda_attention(meta, layer, q, k, v, scale, kv_stored, window=window, softcap=softcap)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)
@@ -139,9 +133,8 @@ def attend_rows(
     if db is not None:
         if db.sampled is None:
             raise RuntimeError("attend_rows on CUDA needs the step's batch of its sampled rows")
-        _no_cuda_softcap(softcap)
         out = _cuda_attention(meta, layer, q.index_select(0, rows), k, v, scale, kv_stored, batch=db.sampled,
-                              window=window)
+                              window=window, softcap=softcap)
     else:
         n = meta.slot_block_ids.numel()
         meta.kv_pages.write(layer, k[:n], v[:n], meta.slot_block_ids, meta.slot_offsets)

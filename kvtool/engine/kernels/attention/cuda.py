@@ -8,6 +8,10 @@ from the pages when some sequence has a cached prefix. That kernel gives each ro
 wherever the computation starts, so a prompt computed after a KV hit matches the same prompt
 computed whole.
 
+Every kernel takes a layer's sliding window (`window`: each row over its last W keys) and its
+score cap (`softcap`, Gemma 2: scores tanh(s / c) * c before the mask and the softmax) as
+compile-time constants; a layer of either runs the Triton prefill kernel, on Hopper too.
+
 fp8 pages hold the K/V rounded (`KVPages.quantized`): a later hit reads those values back, so
 the prefill rows always attend over K/V gathered from the pages, dequantised to q's dtype, the
 new tokens' too (with no prefix their slots are the step's slots of the prefill rows), and a
@@ -26,14 +30,15 @@ from kvtool.engine.kernels.attention.triton_tiles import paged_decode_tiles
 def cuda_attention(
     meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     kv_stored: bool = False, out: torch.Tensor | None = None, batch: DeviceBatch | None = None,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Store k/v [T, Hkv, D] of the new tokens (unless `kv_stored`), attend with q [T, Hq, D].
     Returns [T, Hq, D]: `out` when given, else a new tensor.
 
     `batch` (default: the step's) says which rows q holds: the step's `sampled` batch takes q of
     the sampled rows alone [S, Hq, D] (k/v are still every new token's) and returns [S, Hq, D].
-    `window`: the layer's sliding window (each row attends its last `window` keys), or None."""
+    `window`: the layer's sliding window (each row attends its last `window` keys), or None;
+    `softcap`: the layer's score cap (scores tanh(s / softcap) * softcap), or None."""
     db = meta.device_batch if batch is None else batch
     kv = meta.kv_pages
     pages = kv.tensor
@@ -50,12 +55,12 @@ def cuda_attention(
     if nd and db.tile_base is not None:
         paged_decode_tiles(
             q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
-            db.num_splits, out[:nd], db.decode_order, window, **scales,
+            db.num_splits, out[:nd], db.decode_order, window, softcap=softcap, **scales,
         )
     elif nd:
         triton_ops.paged_decode(
             q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order,
-            window, **scales,
+            window, softcap=softcap, **scales,
         )
     if p is not None:
         if p.key_slots is not None or kv.quantized:
@@ -63,5 +68,5 @@ def cuda_attention(
             kk, vv = triton_ops.gather_kv(pages, layer, slots, q.dtype, **scales)
         else:
             kk, vv = k[p.q_start :], v[p.q_start :]
-        prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :], window)
+        prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :], window, softcap)
     return out

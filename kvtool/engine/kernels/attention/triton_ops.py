@@ -13,6 +13,11 @@ and round it to q's dtype (or the output's) right after the load, then do the sa
 pages of that dtype. Without KV_FP8 the scale pointers are never read (the pages tensor stands in
 for them) and the kernels compute what they compute without scales. The layer index reaches the
 kernels unspecialised, so every layer runs one compiled kernel.
+
+A soft-capped layer (Gemma 2) passes SOFTCAP c > 0: each score s = scale * q.k becomes
+tanh(s / c) * c before the mask and the softmax. The kernels then take scale / c for the factor
+on q.k, take tanh of the product and multiply by c * log2(e) (`soft_cap`), so the softmax runs in
+base 2 over the capped scores as it does over plain ones. With SOFTCAP 0 nothing of it is compiled.
 """
 
 from __future__ import annotations
@@ -22,6 +27,26 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kv import dtypes
+
+LOG2E = 1.4426950408889634
+
+
+def qk_factor(scale: float, softcap: float | None) -> float:
+    """The factor the decode kernels multiply q.k by: scale * log2(e) (scores in base 2), or for a
+    soft-capped layer scale / softcap (the argument of the tanh, `soft_cap`)."""
+    return scale * LOG2E if softcap is None else scale / softcap
+
+
+@triton.jit
+def tanh(x):
+    """tanh of float32 x through one exp2: 1 - 2 / (e^(2x) + 1), +-1 for large |x| (never NaN)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def soft_cap(x, SOFTCAP: tl.constexpr):
+    """The soft-capped score in base 2 from x = score / SOFTCAP: tanh(x) * SOFTCAP * log2(e)."""
+    return tanh(x) * (SOFTCAP * 1.4426950408889634)
 
 
 @triton.jit
@@ -97,11 +122,12 @@ def _decode_split_kernel(
     k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
-    WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (KV head, sequence, split): online softmax over the split's tokens for all query
     heads of the KV group at once (rows padded to GROUP_PAD for tl.dot). With WINDOW > 0 the
-    splits cover the last WINDOW keys only.
+    splits cover the last WINDOW keys only; with SOFTCAP > 0 the scores are soft-capped
+    (qk_scale_log2 is then `qk_factor`'s scale / SOFTCAP).
 
     The grid runs KV heads fastest, then sequences in `order` (longest context first), so the
     GPU starts the longest programs first and the short ones fill the tail: programs of very
@@ -146,6 +172,8 @@ def _decode_split_kernel(
             k = (k.to(tl.float32) * ks).to(q.dtype)
             v = (v.to(tl.float32) * vs).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -261,6 +289,18 @@ def gather_kv(
     return k, v
 
 
+def decode_launch(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N: keys per step of a program's loop, num_warps, num_stages) of the decode kernels
+    for a head size. Up to 128: 64 keys, two warps, three stages, which stream the pages faster
+    on an H200 than four warps and two stages for batches of 16 to 256 sequences, and as fast at
+    batch 1. Past 128 (Gemma's 256), where 64 keys of K and V at a time would not fit two warps'
+    registers: DECODE_WIDE."""
+    return (64, 2, 3) if head_dim <= 128 else DECODE_WIDE
+
+
+DECODE_WIDE = (64, 2, 3)
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Splits per sequence so that the grid covers the GPU about twice, each split >= 256 tokens."""
     want = -(-2 * num_sms // max(1, batch * num_kv_heads))
@@ -281,9 +321,10 @@ def paged_decode(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attention of one query token per sequence over its pages (its last `window` keys when
-    given); writes out.
+    given; its scores soft-capped at `softcap` when given); writes out.
 
     q [B, Hq, D]; block_table [B, W] int (strided views allowed); context_lens [B] int (0 gives
     a zero row); out [B, Hq, D] in q's dtype. num_splits is fixed by the caller (a captured graph
@@ -305,6 +346,7 @@ def paged_decode(
         mid_o = mid_lse = out  # unused
     if order is not None and order.stride(0) != 1:
         order = order.contiguous()
+    block_n, num_warps, num_stages = decode_launch(d)
     _decode_split_kernel[(hkv, b, num_splits)](
         q, q.stride(0), q.stride(1),
         pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
@@ -313,13 +355,11 @@ def paged_decode(
         out, out.stride(0), out.stride(1),
         mid_o, mid_lse,
         order if order is not None else context_lens,
-        hq, scale * 1.4426950408889634, ks, vs, layer,
+        hq, qk_factor(scale, softcap), ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=64, NUM_SPLITS=num_splits, HAS_ORDER=order is not None, WINDOW=window or 0,
-        KV_FP8=fp8_max is not None,
-        # Two warps and three stages stream the pages faster on an H200 than four warps and two
-        # stages for batches of 16 to 256 sequences, and as fast at batch 1.
-        num_warps=2, num_stages=3,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_ORDER=order is not None,
+        WINDOW=window or 0, KV_FP8=fp8_max is not None, SOFTCAP=softcap or 0.0,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_combine_kernel[(b, hq)](

@@ -29,6 +29,10 @@ A sliding-window layer (WINDOW > 0) masks the keys at or before each row's posit
 every tile, from the tile holding the block's first row's first key on. A tile a row sees none
 of leaves its state as it was (zeros and a maximum of -inf before its first key), so a row's
 bits still do not depend on where its block starts.
+
+A soft-capped layer (SOFTCAP c > 0, Gemma 2) takes qk_scale = scale / c: each tile's products
+become tanh(scale * q.k / c) before the masks, and c * log2(e) takes qk_scale's place in the
+online softmax (the same explicit FMA), so the capped score tanh(s / c) * c enters it in base 2.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kvtool.engine.kernels.attention.triton_ops import tanh
+
 
 def key_tile(head_dim: int) -> int:
     """BLOCK_N for a head size: fixed per model, since it fixes each row's accumulation order."""
@@ -48,9 +54,13 @@ def key_tile(head_dim: int) -> int:
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt, stride_vt, d, d_ok, col, lo, hi,
-                  MASKED: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr):
+                  MASKED: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """Fold the key tiles starting at lo, lo + BLOCK_N, .. below hi into the online softmax.
     k_src/v_src: tensor descriptors of [keys, Hkv * D] (TMA), or the head's base pointers."""
+    score_scale = qk_scale
+    if SOFTCAP > 0:  # the products become tanh(s / SOFTCAP); the softmax scales those to base 2
+        score_scale = SOFTCAP * 1.4426950408889634
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if TMA:
@@ -60,6 +70,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt
             k = tl.load(k_src + keys[None, :] * stride_kt + d[:, None], mask=(n[None, :] < k_len) & d_ok[:, None],
                         other=0.0)
         s = tl.dot(q, k)
+        if SOFTCAP > 0:
+            s = tanh(s * qk_scale)
         if MASKED:
             s = tl.where(pos[:, None] >= n[None, :], s, float("-inf"))
         if WINDOW > 0:
@@ -67,11 +79,11 @@ def _attend_tiles(acc, m_i, l_i, q, pos, k_src, v_src, k_first, k_len, stride_kt
         # The scale enters through one explicit FMA: left to the compiler, the product and the
         # subtraction would be contracted in the unmasked loop only, and a tile would round
         # differently depending on which loop reached it.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * score_scale)
         m_use = m_new
         if WINDOW > 0:  # a row that has seen no key yet: its state stays exact zeros, its maximum -inf
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
+        p = tl.math.exp2(tl.fma(s, score_scale, -m_use[:, None]))
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
@@ -89,7 +101,7 @@ def _prefill_kernel(
     q_src, k_src, v_src, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TMA: tl.constexpr, WINDOW: tl.constexpr,
+    TMA: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     h = tl.program_id(0)
     seq = tl.program_id(2)
@@ -127,12 +139,15 @@ def _prefill_kernel(
         if WINDOW > 0:  # every tile masked, from the one with the block's first row's first key
             lo = tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt,
-                                          stride_vt, d, d_ok, col, lo, last, True, qk_scale, BLOCK_N, TMA, WINDOW)
+                                          stride_vt, d, d_ok, col, lo, last, True, qk_scale, BLOCK_N, TMA, WINDOW,
+                                          SOFTCAP)
         else:
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt,
-                                          stride_vt, d, d_ok, col, 0, full_end, False, qk_scale, BLOCK_N, TMA, 0)
+                                          stride_vt, d, d_ok, col, 0, full_end, False, qk_scale, BLOCK_N, TMA, 0,
+                                          SOFTCAP)
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, pos, k_base, v_base, k_first, k_len, stride_kt,
-                                          stride_vt, d, d_ok, col, full_end, last, True, qk_scale, BLOCK_N, TMA, 0)
+                                          stride_vt, d, d_ok, col, full_end, last, True, qk_scale, BLOCK_N, TMA, 0,
+                                          SOFTCAP)
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -160,10 +175,10 @@ def _has_tma(device: torch.device) -> bool:
 
 def triton_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    scale: float, out: torch.Tensor, window: int | None = None,
+    scale: float, out: torch.Tensor, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences through the Triton kernel above, on any CUDA device
-    (each row over its last `window` keys when given):
+    (each row over its last `window` keys when given; its scores soft-capped at `softcap` when given):
     q [T > 0, Hq, D], k/v [sum ctx, Hkv, D] (last dim contiguous), cu_q/cu_k [S + 1] int32.
     Writes and returns out [T, Hq, D]."""
     t, hq, d = q.shape
@@ -180,9 +195,10 @@ def triton_prefill_attention(
         srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
                      for x, rows in zip(views, (block_m, block_n, block_n)))
     _prefill_kernel[grid](
-        *srcs, out, cu_q, cu_k, scale * math.log2(math.e),
+        *srcs, out, cu_q, cu_k, scale * math.log2(math.e) if softcap is None else scale / softcap,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0, num_warps=8 if block_m == 128 else 4,
+        GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0, SOFTCAP=softcap or 0.0,
+        num_warps=8 if block_m == 128 else 4,
         num_stages=3 if block_n == 128 else 2,
     )
     return out

@@ -16,7 +16,7 @@ Tile slots are flat: sequence b's tiles start at `tile_base[b]`, the exclusive p
 ceil(context / TILE) (`context.tile_bases`), so the partials take one row per tile of the batch.
 
 fp8 pages are read as `triton_ops` reads them: each K/V tile dequantised to q's dtype after its
-load (KV_FP8), the same math after that.
+load (KV_FP8), the same math after that; so are soft-capped scores (SOFTCAP, `triton_ops.soft_cap`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.attention.context import TILE
+from kvtool.engine.kernels.attention.triton_ops import _check_pages, decode_launch, page_scales, qk_factor, soft_cap
 
 
 @triton.jit(do_not_specialize=["layer"])
@@ -39,9 +40,10 @@ def _tile_partials_kernel(
     k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each."""
+    """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each
+    (with SOFTCAP > 0, over soft-capped scores: qk_scale_log2 is then scale / SOFTCAP)."""
     kvh = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
     prog = tl.program_id(2)
@@ -86,6 +88,8 @@ def _tile_partials_kernel(
             k = (k.to(tl.float32) * ks).to(q.dtype)
             v = (v.to(tl.float32) * vs).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -151,16 +155,15 @@ def paged_decode_tiles(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """`triton_ops.paged_decode` with each row's bits independent of the batch (over the last
-    `window` keys when given).
+    `window` keys when given; scores soft-capped at `softcap` when given).
 
     tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
     batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
     int32: the launch order of the rows (a permutation). fp8 pages need k_scale / v_scale ([L]
     float32), as for `paged_decode`."""
-    from kvtool.engine.kernels.attention.triton_ops import _check_pages, page_scales
-
     bs, hkv, d, stride_l = _check_pages(pages)
     ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     b, hq, _ = q.shape
@@ -172,16 +175,17 @@ def paged_decode_tiles(
     mid_lse = torch.empty((slots, hq), dtype=torch.float32, device=q.device)
     if order.stride(0) != 1:
         order = order.contiguous()
+    block_n, num_warps, num_stages = decode_launch(d)
     _tile_partials_kernel[(hkv, b, num_programs)](
         q, q.stride(0), q.stride(1),
         pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
         block_table, block_table.stride(0), block_table.stride(1),
         context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
         mid_o, mid_lse, order,
-        hq, num_programs, scale * 1.4426950408889634, ks, vs, layer,
+        hq, num_programs, qk_factor(scale, softcap), ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=64, TILE_N=TILE, WINDOW=window or 0, KV_FP8=fp8_max is not None,
-        num_warps=2, num_stages=3,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, TILE_N=TILE, WINDOW=window or 0, KV_FP8=fp8_max is not None,
+        SOFTCAP=softcap or 0.0, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
