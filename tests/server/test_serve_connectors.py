@@ -80,3 +80,27 @@ def test_sigterm_leaves_no_temporary_files(tiny_model_dir, tmp_path):
     assert status in (0, -signal.SIGTERM, 130)
     assert not [p for p in root.rglob("*") if p.is_file() and p.name.endswith(".tmp")]
     assert list(root.rglob("*.kvb"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_restarted_server_loads_the_prefix_from_disk(kv_cache_dtype, tmp_path):
+    """Gemma 3 (local and global layers) served with a CPU + disk tier: after a restart the
+    prompt's blocks come from disk (hits in /metrics and cached_tokens) and the greedy text is the
+    first server's; with the model's KV dtype and with an fp8 cache."""
+    from kvtool.engine.presets.catalog import create_model_dir
+
+    model = tmp_path / "tiny-gemma3"
+    create_model_dir(model, preset="tiny-gemma3", seed=4)
+    ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"root_dir": str(tmp_path / "tier")}})
+    args = [*_serve_args(model, ktc), "--kv-cache-dtype", kv_cache_dtype]
+    with ServerProcess(args) as srv:
+        first = complete(openai.OpenAI(base_url=srv.base_url, api_key="x"), str(model))
+    with ServerProcess(args) as srv:
+        again = complete(openai.OpenAI(base_url=srv.base_url, api_key="x"), str(model))
+        m = srv.metrics()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 288  # whole blocks before the last token
+    assert m["kvtool:connector_loaded_tokens_total"] == 288
+    assert m["kvtool:connector_loaded_from_disk_tokens_total"] >= 288  # a new process: its CPU tier was empty
+    assert again.choices[0].text == first.choices[0].text
