@@ -58,6 +58,11 @@ def _transformers_fp8(path):
         return None
     if not any(p.dtype == torch.float8_e4m3fn for p in hf.parameters()):
         return None  # loaded dequantised: not the FP8 reference
+    try:
+        with torch.inference_mode():
+            hf(torch.tensor([[1]], device=DEV))
+    except ImportError:
+        return None  # its FP8 products need a kernels package this environment lacks
     return hf.eval()
 
 

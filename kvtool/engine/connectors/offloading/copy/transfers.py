@@ -120,9 +120,13 @@ class StoreTicket:
 class SlotTransfers:
     def __init__(self, pool: torch.Tensor, pages: KVPages) -> None:
         g = pages.geometry
+        if pages.quantized:  # an fp8 cache's bytes move as uint8 (torch has no index_copy_ of fp8)
+            pool = pool.view(torch.uint8)
         # [num_slots * bps, 2, L, bs, H, D]: a view, no copy
         self.pool = pool.view(-1, *pool.shape[2:])
         self.pages = pages
+        # The pages as the copies address them: the same bytes, uint8 for an fp8 cache.
+        self.page_tensor = pages.tensor.view(torch.uint8) if pages.quantized else pages.tensor
         self.block_bytes = g.bytes_per_block
         self.num_layers = g.num_layers
         device = pages.device
@@ -156,7 +160,7 @@ class SlotTransfers:
             try:
                 from kvtool.engine.connectors.offloading.copy.layer_copy import copy_layer, probe_pinned_access
 
-                self._layer_copy = copy_layer if probe_pinned_access(self.pool, self.pages.tensor) else False
+                self._layer_copy = copy_layer if probe_pinned_access(self.pool, self.page_tensor) else False
             except ImportError:
                 self._layer_copy = False
         return bool(self._layer_copy)
@@ -167,7 +171,7 @@ class SlotTransfers:
         if self._rows_ok is None:
             self._rows_ok = False
             if pitched_copy.available() and self.pool.is_pinned() and self.pool.is_contiguous():
-                pages = self.pages.tensor
+                pages = self.page_tensor
                 scratch = torch.empty((2, *pages.shape[3:]), dtype=pages.dtype, device=pages.device)
                 piece = scratch[0].numel() * scratch.element_size()
                 try:
@@ -196,7 +200,7 @@ class SlotTransfers:
         self.load_end = torch.cuda.Event(enable_timing=True)
         self.load_bytes = len(pairs) * self.block_bytes
         self.layer_events = []
-        pages = self.pages.tensor
+        pages = self.page_tensor
         with torch.cuda.stream(ls):
             self.load_start.record(ls)
             if layerwise and self.can_copy_rows():
@@ -227,7 +231,7 @@ class SlotTransfers:
 
     def _staging_buffers(self) -> list[torch.Tensor]:
         if not self.staging:
-            pages = self.pages.tensor
+            pages = self.page_tensor
             shape = (self._staging_blocks(), *pages.shape[1:])
             self.staging = [torch.empty(shape, dtype=pages.dtype, device=pages.device) for _ in range(2)]
         return self.staging
@@ -241,7 +245,7 @@ class SlotTransfers:
         the pages on the load stream, once per fill. Each layer's event is its group's, recorded
         once the group's pieces are in place."""
         ls, cs = self.load_stream, self.copy_stream
-        pages = self.pages.tensor
+        pages = self.page_tensor
         num_layers = self.num_layers
         groups = layer_groups(num_layers, self.layers_per_copy)
         per = groups[0][1]
@@ -302,7 +306,7 @@ class SlotTransfers:
         into two device buffers in turn, each scattered into the pages on the load stream while
         the next copy runs (a copy per 2 MB block would run at the copy engine's per-piece cost)."""
         ls, cs = self.load_stream, self.copy_stream
-        pages = self.pages.tensor
+        pages = self.page_tensor
         self._staging_buffers()
         dst = self.device_index(np.fromiter((d for _, d in pairs), dtype=np.int64, count=len(pairs)))
         cs.wait_stream(ls)  # the buffers' last scatters, and everything the load stream waited for
@@ -345,7 +349,7 @@ class SlotTransfers:
         ss.wait_stream(compute)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        pages = self.pages.tensor
+        pages = self.page_tensor
         with torch.cuda.stream(ss):
             start.record(ss)
             for src, dst, n in coalesce(pairs):
@@ -368,7 +372,7 @@ class SlotTransfers:
             if layer == 0:
                 self._layer_store_start = torch.cuda.Event(enable_timing=True)
                 self._layer_store_start.record(ss)
-            self._layer_copy(self.pages.tensor, self.pool, index, layer)
+            self._layer_copy(self.page_tensor, self.pool, index, layer)
             if layer < self.num_layers - 1:
                 return None
             end = torch.cuda.Event(enable_timing=True)
