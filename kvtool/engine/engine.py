@@ -90,7 +90,7 @@ class LLMEngine:
         if params.calculate_kv_scales and self.kv_dtype.itemsize == 1 and connector_cls is not None:
             raise ConfigError("--calculate-kv-scales with a KV connector: scales computed from the first batch "
                               "cannot be named in the identity of stored KV (use the checkpoint's scales)")
-        if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].fused_forwards:
+        if self.device.type == "cuda" and not MODEL_CLASSES[cfg.architecture].cuda_fused_forwards:
             raise ConfigError(f"{self.model_dir.path}: {cfg.architecture} runs on --device cpu only so far (no CUDA "
                               f"kernels for its layers yet)")
         check_parallelism(cfg, params, self.device)

@@ -7,14 +7,22 @@ returns what it chose as a `FastPaths` value that the runner receives:
     field (module)                       CPU (`cpu_fused`, `cpu_gemm`)      CUDA bf16/fp16 (`fused_ops`)
     fast_forward (RMSNorm)               two-pass norm                      Triton norm
     fast_forward (LlamaAttention,        one q/k/v product, one norm and    one q/k/v GEMM, one kernel for
-      Qwen3Attention)                    rotation for q and k together      q/k norms, RoPE and the K/V store
+      Qwen3Attention, GemmaAttention)    rotation for q and k together      q/k norms, RoPE and the K/V store
     fast_forward (GatedMLP)              one gate/up product                one gate/up GEMM, a SiLU kernel
     fast_forward_rows (DecoderLayer)     attention and o_proj of the        -
                                          sampled rows only
     fast_forward (DecoderModel)          -                                  residual adds inside the norms;
                                                                             last layer for sampled rows only
+    fast_forward (GemmaRMSNorm,          -                                  Gemma's norm kernel; gate/up GEMM
+      GegluMLP, GemmaModel)                                                 and a GeGLU kernel; its decoder loop
     logits_product (CausalLM)            oneDNN over a reordered weight     `row_invariant_gemm.linear`
     few_rows_multiple (DecoderModel)     probed (`cpu_gemm`)                ROW_MULTIPLE (CPU padding only)
+
+The CPU column applies to models of Llama's modules (`CausalLM.fused_forwards`); Gemma's run their
+own forwards on CPU. The CUDA column applies to every model with fused CUDA forwards
+(`CausalLM.cuda_fused_forwards`): Gemma's modules (`gemma`) take the Gemma rows above and
+GemmaAttention the attention row (Gemma 3's q/k norms in Gemma's form, its window and soft cap
+passed to the attention kernels).
 
 On CPU every product (q/k/v, o_proj, gate/up, down_proj, LM head) moves onto a weight that
 oneDNN reordered once, where it can (float32, a torch with oneDNN). On CUDA the fused kernels
@@ -102,10 +110,11 @@ def apply_fast_paths(
 
 
 def _apply(model: CausalLM, device: torch.device, dtype: torch.dtype, backend: str, fused: bool) -> FastPaths:
-    fused = fused and model.fused_forwards
     if fused and device.type == "cpu":
-        return _apply_cpu(model)
-    if fused and backend != "reference" and select_backend(device, dtype, model.config.head_dim) == "cuda":
+        if model.fused_forwards:
+            return _apply_cpu(model)
+    elif (fused and model.cuda_fused_forwards and backend != "reference"
+          and select_backend(device, dtype, model.config.head_dim) == "cuda"):
         from kvtool.engine.models.fused_ops import can_fuse
 
         if can_fuse(model):

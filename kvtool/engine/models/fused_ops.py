@@ -7,12 +7,18 @@ module's `fast_forward` field (and the LM head's `logits_product`) to the forwar
 * RMSNorm: one Triton kernel instead of seven eager ops, and the residual add before each norm
   in the same kernel (the decoder loop is replaced by one that carries the residual, and that
   computes the last layer for a step's sampled rows alone when the runner passes them);
-* attention (Llama, Mistral, Qwen2, Qwen3): q/k/v projections as one GEMM over a concatenated
-  weight and bias (Qwen2's q/k/v biases; the three parameters become views of them), then one
-  kernel that splits q/k/v, applies Qwen3's per-head q/k RMSNorm and RoPE, and writes q, k, v
-  contiguous (eager: 14 kernels), and k, v into the KV pages at the step's slots as well (the
-  separate store kernel is skipped; into fp8 pages quantised as `triton_ops.store_kv` does);
-* gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel;
+* attention (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3): q/k/v projections as one GEMM over a
+  concatenated weight and bias (Qwen2's q/k/v biases; the three parameters become views of
+  them), then one kernel that splits q/k/v, applies Qwen3's or Gemma 3's per-head q/k RMSNorm
+  and RoPE (a Gemma 3 local layer's own), and writes q, k, v contiguous (eager: 14 kernels), and
+  k, v into the KV pages at the step's slots as well (the separate store kernel is skipped; into
+  fp8 pages quantised as `triton_ops.store_kv` does); the layer's window and score cap go to the
+  attention kernels;
+* gated MLP: gate and up as one GEMM, then one SiLU-times-up kernel (Gemma's GeGLU: a gelu-tanh
+  one);
+* Gemma's decoder (`gemma`): its (1 + w) norms in float32, each block's output norm, the
+  residual add and the next norm in one kernel (two per layer), the embedding scaled as its
+  forward scales it; Gemma 2's logit cap stays in `compute_logits`;
 * MoE block (Mixtral, Qwen3-MoE): the router through `linear`, the routing in torch ops, the
   experts through `kernels.fused_moe` over weights stacked per block (`SparseMoeBlock.stack_experts`);
 * every projection, the LM head's too, through `row_invariant_gemm.linear` (cuBLAS, or where the
@@ -27,8 +33,8 @@ On a tensor-parallel shard the row-parallel o_proj and down_proj keep their one 
 Decode steps are a few hundred kernels, so their count sets the graph replay time on small
 models; prefill gains from the larger GEMMs and from fewer passes over activations. The kernels
 keep the eager rounding points: norm statistics in float32 with the normalised value cast to
-the activation dtype before the weight multiplies it, RoPE's two products rounded before their
-sum, SiLU rounded before the product.
+the activation dtype before the weight multiplies it (Gemma's: scaled by 1 + w in float32, then
+cast), RoPE's two products rounded before their sum, SiLU (gelu) rounded before the product.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from kvtool.engine.kernels.fused_moe import fused_experts
 from kvtool.engine.kernels.row_invariant_gemm import linear
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.models.fp8_linear import Fp8Linear, concat_fp8_linears
+from kvtool.engine.models.gemma import GegluMLP, GemmaDecoderLayer, GemmaModel, GemmaRMSNorm
 from kvtool.engine.models.layers import CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm, concat_linear_params
 from kvtool.engine.models.llama import LlamaAttention
 from kvtool.engine.models.moe import SparseMoeBlock
@@ -98,9 +105,61 @@ def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, inter, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _gemma_normed(xf, w_ptr, o, mask, n, eps):
+    """Gemma's RMSNorm of one float32 row: (x * rstd) * (1 + w), all in float32 (the caller casts)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + o, mask=mask, other=0.0).to(tl.float32)
+    return (xf * rstd) * (1.0 + w)
+
+
+@triton.jit
+def _gemma_rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    mask = o < n
+    x = tl.load(x_ptr + row * stride_x + o, mask=mask, other=0.0)
+    y = _gemma_normed(x.to(tl.float32), w_ptr, o, mask, n, eps)
+    tl.store(y_ptr + row * stride_y + o, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemma_add_norms_kernel(x_ptr, d_ptr, wd_ptr, w_ptr, h_ptr, y_ptr, n, eps_d, eps, BLOCK: tl.constexpr):
+    """Gemma's residual add between two of its norms: h = x + GemmaNorm(d) (weight wd), each
+    rounded to the activation dtype as the eager ops round them, then y = GemmaNorm(h) (weight w)."""
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    mask = o < n
+    x = tl.load(x_ptr + row * n + o, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * n + o, mask=mask, other=0.0)
+    dn = _gemma_normed(d.to(tl.float32), wd_ptr, o, mask, n, eps_d).to(x.dtype)
+    h = (x.to(tl.float32) + dn.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + row * n + o, h, mask=mask)
+    y = _gemma_normed(h.to(tl.float32), w_ptr, o, mask, n, eps)
+    tl.store(y_ptr + row * n + o, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(gu_ptr, y_ptr, stride_gu, inter, BLOCK: tl.constexpr):
+    """y[t] = gelu_tanh(gu[t, :inter]) * gu[t, inter:] for one row t and one column block: gelu
+    with torch's constants, its 0.5 x (1 + tanh(u)) written as x / (1 + e^(-2u)) (no cancellation
+    where tanh(u) nears -1), rounded before the product as eager rounds it."""
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = o < inter
+    g = tl.load(gu_ptr + t * stride_gu + o, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    cube = gf * gf * gf
+    inner = 0.7978845608028654 * (gf + 0.044715 * cube)
+    a = (gf / (1.0 + tl.exp(-2.0 * inner))).to(g.dtype).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + inter + o, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * inter + o, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_rope_heads(src, dst, page_dst, page_scale_ptr, w_ptr, cos1, cos2, sin1, sin2, eps, NUM_HEADS: tl.constexpr,
                      H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                     HAS_NORM: tl.constexpr, TO_PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                     HAS_NORM: tl.constexpr, TO_PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                     GEMMA_NORM: tl.constexpr):
     h = tl.arange(0, H_PAD)
     c = tl.arange(0, HALF_PAD)
     mask = (h < NUM_HEADS)[:, None] & (c < HALF)[None, :]
@@ -114,8 +173,12 @@ def _norm_rope_heads(src, dst, page_dst, page_scale_ptr, w_ptr, cos1, cos2, sin1
         rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)
         w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
-        a = ((a * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
-        b = ((b * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+        if GEMMA_NORM:  # Gemma's: (x * rstd) * (1 + w) in float32, one rounding
+            a = ((a * rstd[:, None]) * (1.0 + w1[None, :])).to(dtype).to(tl.float32)
+            b = ((b * rstd[:, None]) * (1.0 + w2[None, :])).to(dtype).to(tl.float32)
+        else:
+            a = ((a * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+            b = ((b * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product rounded as eager does
     o1 = ((a * cos1[None, :]).to(dtype).to(tl.float32) + (-b * sin1[None, :]).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((b * cos2[None, :]).to(dtype).to(tl.float32) + (a * sin2[None, :]).to(dtype).to(tl.float32)).to(dtype)
@@ -138,9 +201,10 @@ def _qkv_norm_rope_kernel(
     pages_ptr, layer_off, stride_blk, stride_kv, slot_ptr, stride_slot, k_scale_ptr, v_scale_ptr, layer,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     D: tl.constexpr, DP: tl.constexpr, HAS_NORM: tl.constexpr, TO_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, GEMMA_NORM: tl.constexpr,
 ):
-    """One token: q and k rotated (after their per-head RMSNorm for Qwen3), v copied; all
+    """One token: q and k rotated (after their per-head RMSNorm for Qwen3, or Gemma's with
+    GEMMA_NORM), v copied; all
     contiguous out, and with TO_PAGES k and v also written at the token's page slot (a negative
     slot, a CUDA graph's padding row, writes nothing there): the step's separate store kernel
     is then not needed. With KV_FP8 the page values are quantised with the layer's scales, from
@@ -164,7 +228,7 @@ def _qkv_norm_rope_kernel(
         safe = tl.maximum(slot, 0)
         page_row = pages_ptr + layer_off + (safe // BLOCK_SIZE) * stride_blk + (safe % BLOCK_SIZE) * (HKV * D)
     _norm_rope_heads(row, q_ptr + t * HQ * D, q_ptr, k_scale_ptr, qw_ptr, cos1, cos2, sin1, sin2, eps, HQ, HQ_PAD,
-                     D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX)
+                     D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX, GEMMA_NORM)
     hv = tl.arange(0, HKV_PAD)
     d = tl.arange(0, DP)
     vmask = (hv < HKV)[:, None] & (d < D)[None, :]
@@ -173,7 +237,7 @@ def _qkv_norm_rope_kernel(
     tl.store(v_ptr + t * HKV * D + voff, vrow, mask=vmask)
     if to_page:
         _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, k_scale_ptr + layer, kw_ptr, cos1, cos2, sin1,
-                         sin2, eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, True, KV_FP8, FP8_MAX)
+                         sin2, eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, True, KV_FP8, FP8_MAX, GEMMA_NORM)
         if KV_FP8:
             tl.store(page_row + stride_kv + voff, quantize_kv(vrow, tl.load(v_scale_ptr + layer), page_row, FP8_MAX),
                      mask=vmask)
@@ -181,7 +245,7 @@ def _qkv_norm_rope_kernel(
             tl.store(page_row + stride_kv + voff, vrow, mask=vmask)
     else:
         _norm_rope_heads(row + HQ * D, k_ptr + t * HKV * D, page_row, k_scale_ptr, kw_ptr, cos1, cos2, sin1, sin2,
-                         eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX)
+                         eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX, GEMMA_NORM)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -211,6 +275,52 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return h, y
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (scaling by 1 + weight in float32, then the cast) over the last dim of x
+    [..., N]. Returns x's shape."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _gemma_rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, y, rows.stride(0), n, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256))
+        )
+    return y
+
+
+def gemma_add_norms(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, delta_eps: float,
+                    weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's residual add, between the norm of the block's output and the next norm, in one
+    pass: (h = x + GemmaNorm(delta), GemmaNorm(h)), [T, N] each."""
+    x, delta = x.contiguous(), delta.contiguous()
+    t, n = x.shape
+    h = torch.empty_like(x)
+    y = torch.empty_like(x)
+    if t:
+        block = triton.next_power_of_2(n)
+        _gemma_add_norms_kernel[(t,)](x, delta, delta_weight, weight, h, y, n, delta_eps, eps, BLOCK=block,
+                                      num_warps=min(16, max(1, block // 256)))
+    return h, y
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up of gate_up [T, 2I] (gate first; rows may be strided).
+    Returns [T, I]."""
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    y = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = 1024
+        _gelu_tanh_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), inter, BLOCK=block,
+                                                              num_warps=4)
+    return y
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I] (gate first; rows may be strided). Returns [T, I]."""
     t, two_i = gate_up.shape
@@ -228,10 +338,11 @@ def qkv_norm_rope(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     pages: torch.Tensor | None = None, layer: int = 0, slots: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, gemma_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split qkv [T, (Hq + 2 Hkv) * D], normalise q/k per head when weights are given, rotate them
-    by cos/sin [T, D]. Returns contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
+    """Split qkv [T, (Hq + 2 Hkv) * D], normalise q/k per head when weights are given (RMSNorm as
+    `rms_norm`, or with `gemma_norm` as `gemma_rms_norm`), rotate them by cos/sin [T, D]. Returns
+    contiguous q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
 
     With `pages` ([NB, 2, L, bs, Hkv, D], dense within a block's token rows) and `slots` [T]
     (flat slots, a strided view is fine; negative: skip), k and v are also written into layer `layer`'s pages
@@ -262,7 +373,7 @@ def qkv_norm_rope(
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV=num_kv_heads, HKV_PAD=triton.next_power_of_2(num_kv_heads),
             D=head_dim, DP=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, TO_PAGES=to_pages, BLOCK_SIZE=pages.shape[3] if to_pages else 1,
-            KV_FP8=fp8_max is not None, FP8_MAX=fp8_max or 0.0,
+            KV_FP8=fp8_max is not None, FP8_MAX=fp8_max or 0.0, GEMMA_NORM=gemma_norm,
             num_warps=4,
         )
     return q, k, v
@@ -273,6 +384,10 @@ def qkv_norm_rope(
 
 def _fused_rms_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps)
+
+
+def _fused_gemma_norm_forward(self: GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return gemma_rms_norm(x, self.weight, self.eps)
 
 
 class LogitsProduct:
@@ -311,6 +426,11 @@ def _fused_mlp_forward(self: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     return _project_out(self.down_proj, silu_mul(gate_up))
 
 
+def _fused_geglu_forward(self: GegluMLP, x: torch.Tensor) -> torch.Tensor:
+    gate_up = linear(x, self.gate_up_weight, row_invariant=_step_row_invariant())
+    return _project_out(self.down_proj, gelu_tanh_mul(gate_up))
+
+
 def _fused_moe_forward(self: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     weights, experts = self.route_logits(linear(x, self.gate.weight, row_invariant=_step_row_invariant()))
     out = fused_experts(x, self.w13, self.w2, weights, experts)
@@ -329,9 +449,12 @@ def rotate_qkv(
     kv_pages: KVPages | None = None, slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`qkv_norm_rope` with the layer's heads and q/k norms; k/v also into `kv_pages` (with their
-    scales) at `slots` when given."""
+    scales) at `slots` when given. cos/sin: [T, D], or a Gemma 3 decoder's [2, T, D] (`rope_tables`),
+    of which the layer's own."""
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
+    if cos.dim() == 3:
+        cos, sin = cos[int(attn.local)], sin[int(attn.local)]
     pages = kv_pages.tensor if kv_pages is not None else None
     k_scale = kv_pages.k_scale if kv_pages is not None else None
     v_scale = kv_pages.v_scale if kv_pages is not None else None
@@ -339,8 +462,13 @@ def rotate_qkv(
         qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.eps if q_norm is not None else 0.0, pages=pages, layer=attn.layer_idx, slots=slots,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, gemma_norm=isinstance(q_norm, GemmaRMSNorm),
     )
+
+
+def attention_softcap(attn: LlamaAttention) -> float | None:
+    """The layer's attention score cap (Gemma 2's `GemmaAttention.softcap`), or None."""
+    return getattr(attn, "softcap", None)
 
 
 def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -362,7 +490,7 @@ def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor
 def _fused_attention_forward(self: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     q, k, v, into_pages = _rotated_into_pages(self, x, cos, sin)
     return _project_out(self.o_proj, attend(self.layer_idx, q, k, v, self.scale, kv_stored=into_pages,
-                                                 window=self.sliding_window))
+                                            window=self.sliding_window, softcap=attention_softcap(self)))
 
 
 def attention_rows(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -370,30 +498,56 @@ def attention_rows(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin
     """The attention block of x [T, hidden] for `rows` only ([S] long, the step's sample rows):
     every row's K/V stored, attention and o_proj for `rows`. Returns [S, hidden]."""
     q, k, v, into_pages = _rotated_into_pages(attn, x, cos, sin)
-    out = attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, kv_stored=into_pages, window=attn.sliding_window)
+    out = attend_rows(attn.layer_idx, q, k, v, attn.scale, rows, kv_stored=into_pages, window=attn.sliding_window,
+                      softcap=attention_softcap(attn))
     if out.shape[0] == 0:  # no product (nor a tensor-parallel all-reduce) of no rows
         return x[:0]
     return _project_out(attn.o_proj, out)
 
 
-def decoder_input(model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def rope_tables(model: DecoderModel | GemmaModel, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of the decoder's RoPE at `positions` [T]: [T, D] each, or for a Gemma 3 decoder,
+    whose local layers rotate by their own RoPE, [2, T, D] each (the global layers' table, then
+    the local ones'; `rotate_qkv` takes the layer's)."""
+    cos, sin = model.rotary_emb(positions, dtype)
+    local = getattr(model, "local_rotary_emb", None)
+    if local is None:
+        return cos, sin
+    local_cos, local_sin = local(positions, dtype)
+    return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
+
+
+def decoder_input(model: DecoderModel | GemmaModel, input_ids: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The fused decoder before its first layer: (embeddings h, the first layer's normed input x,
-    cos, sin), [T, hidden] x2 and [T, D] x2."""
+    cos, sin), [T, hidden] x2 and the `rope_tables`. A Gemma decoder's embeddings are scaled as its
+    forward scales them (by sqrt(hidden) rounded to their dtype) and normed by Gemma's norm."""
     h = model.embed_tokens(input_ids)
-    cos, sin = model.rotary_emb(positions, h.dtype)
+    cos, sin = rope_tables(model, positions, h.dtype)
     first = model.layers[0].input_layernorm
+    if isinstance(model, GemmaModel):
+        h = h * torch.tensor(model.embed_scale, dtype=h.dtype)
+        return h, gemma_rms_norm(h, first.weight, first.eps), cos, sin
     return h, rms_norm(h, first.weight, first.eps), cos, sin
 
 
-def layer_output(model: DecoderModel, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_output(model: DecoderModel | GemmaModel, i: int, h: torch.Tensor,
+                 attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i after its attention block (attn_out: the block's output [T, hidden], o_proj
     applied): the residual adds, each fused into the RMSNorm after it, and the MLP. Returns (the
-    residual stream h, the next layer's normed input x or, after the last layer, the final norm)."""
+    residual stream h, the next layer's normed input x or, after the last layer, the final norm).
+    A Gemma layer norms each block's output before its residual add, in the same kernel."""
     layers = model.layers
-    post = layers[i].post_attention_layernorm
-    h, x = add_rms_norm(h, attn_out, post.weight, post.eps)
+    layer = layers[i]
     after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-    return add_rms_norm(h, layers[i].mlp(x), after.weight, after.eps)
+    if isinstance(layer, GemmaDecoderLayer):
+        post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+        h, x = gemma_add_norms(h, attn_out, post.weight, post.eps, pre.weight, pre.eps)
+        post = layer.post_feedforward_layernorm
+        return gemma_add_norms(h, layer.mlp(x), post.weight, post.eps, after.weight, after.eps)
+    post = layer.post_attention_layernorm
+    h, x = add_rms_norm(h, attn_out, post.weight, post.eps)
+    return add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
 
 
 def attention_output(attn: LlamaAttention, out: torch.Tensor) -> torch.Tensor:
@@ -401,10 +555,11 @@ def attention_output(attn: LlamaAttention, out: torch.Tensor) -> torch.Tensor:
     return _project_out(attn.o_proj, out.reshape(out.shape[0], -1))
 
 
-def _fused_decoder_forward(self: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,
+def _fused_decoder_forward(self: DecoderModel | GemmaModel, input_ids: torch.Tensor, positions: torch.Tensor,
                            rows: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder loop with each residual add fused into the RMSNorm that follows it (the
-    layers' own norms and the final one): two kernels fewer per layer, the same rounding.
+    layers' own norms and the final one): two kernels fewer per layer, the same rounding (a Gemma
+    layer's four norms: two kernels per layer, `layer_output`).
 
     With `rows` ([S] long: the step's sample rows, whose batch the step's `DeviceBatch.sampled`
     describes) the last layer stores every row's K/V and computes the rest for those rows alone,
@@ -438,7 +593,7 @@ class FusedModules(NamedTuple):
 
     attention: int  # attention blocks on a q/k/v GEMM and the norm-rope-store kernel
     num_attention: int  # attention blocks in all (one of an odd head_dim keeps its own forward)
-    mlps: int  # gate/up GEMM + SiLU kernel
+    mlps: int  # gate/up GEMM + SiLU kernel (Gemma's: + GeGLU kernel)
     moe: int  # MoE blocks on the fused experts
     decoder: bool  # the decoder loop with the residual adds in the norms (`_fused_decoder_forward`)
 
@@ -448,13 +603,14 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
     kernels (their `fast_forward` / `logits_product` fields). Returns what it set."""
     attention = num_attention = mlps = moe = 0
     decoder = False
-    if not model.fused_forwards:  # modules these forwards are not written for (`CausalLM`)
+    if not model.cuda_fused_forwards:  # modules these forwards are not written for (`CausalLM`)
         return FusedModules(attention, num_attention, mlps, moe, decoder)
     for module in model.modules():
         if isinstance(module, CausalLM):
             weight = module.model.embed_tokens.weight if module.lm_head is None else module.lm_head.weight
             module.logits_product = LogitsProduct(weight)
-        elif isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers):
+        elif (isinstance(module, DecoderModel) and all(type(layer) is DecoderLayer for layer in module.layers)
+              or isinstance(module, GemmaModel)):
             # Its pieces (`decoder_input`, `layer_output`) also serve prefill_graphs.
             module.fast_forward = _fused_decoder_forward
             decoder = True
@@ -462,6 +618,12 @@ def apply_fused_ops(model: CausalLM) -> FusedModules:
             module.fp8_weight = module.fp8()  # o_proj, down_proj (q/k/v, gate/up: stacked below)
         elif isinstance(module, RMSNorm):
             module.fast_forward = _fused_rms_forward
+        elif isinstance(module, GemmaRMSNorm):
+            module.fast_forward = _fused_gemma_norm_forward
+        elif isinstance(module, GegluMLP):
+            module.gate_up_weight = _stacked_weights([module.gate_proj, module.up_proj])
+            module.fast_forward = _fused_geglu_forward
+            mlps += 1
         elif isinstance(module, GatedMLP):
             module.gate_up_weight = _stacked_weights([module.gate_proj, module.up_proj])
             module.fast_forward = _fused_mlp_forward

@@ -13,13 +13,19 @@ own pieces, as transformers' Gemma2 and Gemma3 text models compute them:
 * Gemma 2's attention scores soft-capped (tanh(s / 50) * 50) before the mask, and its logits
   (tanh(l / 30) * 30); Gemma 3 leaves both unset.
 
-The model runs these modules' own forwards (`CausalLM.fused_forwards` off): the fused kernels
-are written for Llama's norms and SiLU MLP. It runs on CPU; the engine refuses it on CUDA, where
-without those kernels neither CUDA graphs nor batch invariance would hold. The local layers' keys
-all stay in the KV pages; the attention masks those outside the window.
+On CPU the model runs these modules' own forwards (`CausalLM.fused_forwards` off: `cpu_fused`
+is written for Llama's norms and SiLU MLP). On CUDA (bf16/fp16) `fused_ops` gives each module a
+fused forward through its `fast_forward` field, as it does Llama's (`CausalLM.cuda_fused_forwards`):
+Gemma's norm kernels (the residual adds inside them), q/k norms and RoPE in the rope kernel, the
+gate/up GEMM and a GeGLU kernel, every projection through `row_invariant_gemm`, and attention
+with the layer's window and soft cap in the CUDA kernels; so decode steps replay from CUDA
+graphs and batch invariance holds as for the other architectures. The local layers' keys all stay
+in the KV pages; the attention masks those outside the window.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -40,8 +46,13 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        # fast_forward(self, x): a fused norm (set by `fast_paths.apply_fast_paths` on CUDA); None
+        # runs the one below.
+        self.fast_forward: Callable[[GemmaRMSNorm, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_forward is not None:
+            return self.fast_forward(self, x)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -63,6 +74,8 @@ class GemmaAttention(LlamaAttention):
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fast_forward is not None:  # LlamaAttention's field
+            return self.fast_forward(self, x, cos, sin)
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -78,6 +91,8 @@ class GegluMLP(GatedMLP):
     """gelu(gate, tanh approximation) * up, then down (GatedMLP's layout and sharding)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_forward is not None:  # GatedMLP's field
+            return self.fast_forward(self, x)
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
@@ -114,11 +129,15 @@ class GemmaModel(nn.Module):
         self.local_rotary_emb = RotaryEmbedding(local) if local != config else None
         self.embed_scale = config.hidden_size**0.5
         self.few_rows_multiple = ROW_MULTIPLE  # the runner and `compute_logits` read it
-        self.fast_forward = None
+        # fast_forward(self, input_ids, positions, rows): the fused decoder loop (set by
+        # `fast_paths.apply_fast_paths` on CUDA); None runs the one below.
+        self.fast_forward: Callable[..., torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden], or with `rows`
         ([S] long) those rows only, [S, hidden]."""
+        if self.fast_forward is not None:
+            return self.fast_forward(self, input_ids, positions, rows)
         n = input_ids.shape[0]
         input_ids, positions = pad_rows_on_cpu(input_ids, self.few_rows_multiple), pad_rows_on_cpu(positions, self.few_rows_multiple)
         h = self.embed_tokens(input_ids)
@@ -134,14 +153,19 @@ class GemmaModel(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     attention_cls = GemmaAttention
     decoder_cls = GemmaModel
+    # `cpu_fused` is written for Llama's modules; `fused_ops` covers these too (`CausalLM`).
     fused_forwards = False
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True, row_invariant: bool = False) -> torch.Tensor:
-        logits = super().compute_logits(hidden, as_float, row_invariant)
+        """`CausalLM.compute_logits`, soft-capped where the config says (Gemma 2). Capped logits
+        are float32 whatever `as_float` asks: capped in half precision, the top logits of a row
+        (tanh flattens them toward the cap) would round to ties that a decode graph's argmax
+        breaks otherwise than the float32 ones."""
         cap = self.config.gemma.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if cap is None:
+            return super().compute_logits(hidden, as_float, row_invariant)
+        logits = super().compute_logits(hidden, True, row_invariant)
+        return torch.tanh(logits / cap) * cap
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

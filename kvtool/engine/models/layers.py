@@ -257,9 +257,14 @@ class CausalLM(nn.Module):
     packed_modules: dict[str, tuple[str, ...]] = {}
     # The decoder under `model.` (Gemma 3 has its own: other norms, two RoPEs, a scaled embedding).
     decoder_cls: type[nn.Module] = DecoderModel
-    # Whether `fast_paths.apply_fast_paths` may set the fused forwards, written for the modules
-    # above (Llama's norms, SiLU MLPs); a model of other modules runs its own forwards.
+    # Whether `fast_paths.apply_fast_paths` may set the CPU fused forwards (`cpu_fused`), written
+    # for the modules above (Llama's norms, SiLU MLPs); a model of other modules (Gemma's) runs its
+    # own forwards on CPU.
     fused_forwards = True
+    # Whether `fused_ops` has fused CUDA forwards for the model's modules (the ones above, and
+    # Gemma's): the engine refuses a model without them on CUDA, where neither CUDA graphs nor
+    # batch invariance would hold.
+    cuda_fused_forwards = True
 
     def __init__(self, config: ModelConfig, tp: TPRank = TPRank()) -> None:
         super().__init__()

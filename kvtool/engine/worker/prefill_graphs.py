@@ -36,7 +36,14 @@ from kvtool.engine.kernels.attention import AttentionMetadata, attention_context
 from kvtool.engine.kernels.attention.cuda import cuda_attention
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.models.fast_paths import FastPaths
-from kvtool.engine.models.fused_ops import attention_output, decoder_input, layer_output, qkv_projection, rotate_qkv
+from kvtool.engine.models.fused_ops import (
+    attention_output,
+    attention_softcap,
+    decoder_input,
+    layer_output,
+    qkv_projection,
+    rotate_qkv,
+)
 from kvtool.engine.models.layers import CausalLM
 
 
@@ -120,7 +127,7 @@ class OneTokenPrefillGraphs:
                 hooks.before_layer(attn.layer_idx)
             next(graphs).replay()
             cuda_attention(meta, attn.layer_idx, q, k, v, attn.scale, kv_stored=True, out=self.attn_out,
-                           window=attn.sliding_window)
+                           window=attn.sliding_window, softcap=attention_softcap(attn))
             if hooks is not None:
                 hooks.after_layer(attn.layer_idx)
             next(graphs).replay()

@@ -11,7 +11,8 @@ and the fused MoE experts.
 - each architecture batch-invariant (the default): a request's tokens and logprobs alone equal
   those it gets batched with others, with decode graphs captured (MoE models included);
 - a Mistral whose sliding window binds, in both checks (the CUDA kernels take the window);
-- Gemma 3 refused on CUDA in one line.
+- Gemma 3's full-size config built on CUDA (dummy weights) with the fused kernels and graphs
+  (Gemma 2 and 3 against transformers and batch-invariant: test_gemma_cuda.py).
 Skipped without CUDA.
 """
 
@@ -155,13 +156,22 @@ def test_each_architecture_is_batch_invariant_with_graphs(model_dirs, name):
         engine.close()
 
 
-def test_gemma3_is_refused_on_cuda_in_one_line(tmp_path):
+def test_gemma3_runs_on_cuda_with_the_fused_kernels_and_graphs(tmp_path):
+    """Gemma-3-4b's config (head 256, 34 layers, local and global RoPE) with dummy weights: the
+    engine builds it on CUDA (it refused it before Gemma's kernels), on the fused forwards with
+    decode and one-token prefill graphs, and generates."""
     from kvtool.engine.engine import LLMEngine
-    from kvtool.engine.errors import ConfigError
-    from kvtool.engine.params import EngineParams
+    from kvtool.engine.params import EngineParams, SamplingParams
     from kvtool.engine.presets.catalog import create_model_dir
 
-    create_model_dir(tmp_path / "g", preset="tiny-gemma3", config_only=True)
-    with pytest.raises(ConfigError) as e:
-        LLMEngine(EngineParams(model=str(tmp_path / "g"), device="cuda", load_format="dummy", max_model_len=64))
-    assert "\n" not in str(e.value) and "Gemma3ForCausalLM runs on --device cpu only" in str(e.value)
+    create_model_dir(tmp_path / "g", preset="gemma-3-4b", config_only=True)
+    engine = LLMEngine(EngineParams(model=str(tmp_path / "g"), device="cuda", dtype="bfloat16", load_format="dummy",
+                                    max_model_len=512, num_gpu_blocks=200, max_num_seqs=4))
+    try:
+        runner = engine.executor.worker.runner
+        assert runner.fast_paths.kernels == "triton" and runner.fast_paths.residual_in_norm
+        assert runner.graphs is not None and runner.prefill_graphs is not None
+        out = engine.generate([tokens(300, 1)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].output_token_ids) == 4
+    finally:
+        engine.close()

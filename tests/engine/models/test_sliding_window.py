@@ -9,7 +9,7 @@ and give the same tokens and logprobs; with the CPU + disk OffloadingConnector, 
 after the first closed loads the stored KV and gives the same tokens and logprobs. The keys
 outside the window stay in the pages (every layer keeps its whole context); the attention masks
 them. The per-position logits of windowed configs, with every CPU product, are in
-test_logits_vs_hf.py; the CUDA engine's one-line refusal is in test_architectures_cuda.py.
+test_logits_vs_hf.py; Gemma on CUDA is in test_gemma_cuda.py.
 """
 
 from __future__ import annotations

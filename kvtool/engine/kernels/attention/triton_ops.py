@@ -293,12 +293,10 @@ def decode_launch(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N: keys per step of a program's loop, num_warps, num_stages) of the decode kernels
     for a head size. Up to 128: 64 keys, two warps, three stages, which stream the pages faster
     on an H200 than four warps and two stages for batches of 16 to 256 sequences, and as fast at
-    batch 1. Past 128 (Gemma's 256), where 64 keys of K and V at a time would not fit two warps'
-    registers: DECODE_WIDE."""
-    return (64, 2, 3) if head_dim <= 128 else DECODE_WIDE
-
-
-DECODE_WIDE = (64, 2, 3)
+    batch 1. Past 128 (Gemma's 256), 64 keys of K and V do not fit two warps' registers (sm_90
+    code spills): 32 keys, the same bytes per step as 64 keys of a 128 head. BLOCK_N divides
+    the fixed-tile kernel's TILE either way."""
+    return (64, 2, 3) if head_dim <= 128 else (32, 2, 3)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:

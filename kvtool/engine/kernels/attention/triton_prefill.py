@@ -194,11 +194,13 @@ def triton_prefill_attention(
     if tma:
         srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
                      for x, rows in zip(views, (block_m, block_n, block_n)))
+    # Eight warps for blocks of 128 rows, and for heads past 128 (Gemma's 256), whose [64, D]
+    # float32 output four warps cannot hold in registers (sm_90 code spills).
     _prefill_kernel[grid](
         *srcs, out, cu_q, cu_k, scale * math.log2(math.e) if softcap is None else scale / softcap,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0, SOFTCAP=softcap or 0.0,
-        num_warps=8 if block_m == 128 else 4,
+        GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0,
+        SOFTCAP=softcap or 0.0, num_warps=8 if block_m == 128 or dp > 128 else 4,
         num_stages=3 if block_n == 128 else 2,
     )
     return out
