@@ -248,8 +248,8 @@ def _qkv_norm_rope_kernel(
                          eps, HKV, HKV_PAD, D, HALF, HALF_PAD, HAS_NORM, False, False, FP8_MAX, GEMMA_NORM)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., N] (x and weight of one dtype). Returns x's shape."""
+def _norm_rows(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`kernel` (a row norm: one program per row) over the last dim of x [..., N]. Returns x's shape."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
@@ -257,10 +257,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows.shape[0],)](
+        kernel[(rows.shape[0],)](
             rows, weight, y, rows.stride(0), n, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256))
         )
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N] (x and weight of one dtype). Returns x's shape."""
+    return _norm_rows(_rms_norm_kernel, x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,17 +283,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm (scaling by 1 + weight in float32, then the cast) over the last dim of x
     [..., N]. Returns x's shape."""
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(n)
-        _gemma_rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, y, rows.stride(0), n, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 256))
-        )
-    return y
+    return _norm_rows(_gemma_rms_norm_kernel, x, weight, eps)
 
 
 def gemma_add_norms(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, delta_eps: float,
@@ -306,9 +301,9 @@ def gemma_add_norms(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Te
     return h, y
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, tanh approximation) * up of gate_up [T, 2I] (gate first; rows may be strided).
-    Returns [T, I]."""
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """`kernel` (act(gate) * up, one program per row and 1024 columns) of gate_up [T, 2I] (gate
+    first; rows may be strided). Returns [T, I]."""
     t, two_i = gate_up.shape
     inter = two_i // 2
     if gate_up.stride(1) != 1:
@@ -316,22 +311,18 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
-        _gelu_tanh_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), inter, BLOCK=block,
-                                                              num_warps=4)
+        kernel[(t, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), inter, BLOCK=block, num_warps=4)
     return y
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up of gate_up [T, 2I] (gate first). Returns [T, I]."""
+    return _gated(_gelu_tanh_mul_kernel, gate_up)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I] (gate first; rows may be strided). Returns [T, I]."""
-    t, two_i = gate_up.shape
-    inter = two_i // 2
-    if gate_up.stride(1) != 1:
-        gate_up = gate_up.contiguous()
-    y = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
-    if t:
-        block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), inter, BLOCK=block, num_warps=4)
-    return y
+    return _gated(_silu_mul_kernel, gate_up)
 
 
 def qkv_norm_rope(
