@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kvtool.engine.errors import ConfigError, ModelError
-from kvtool.engine.kv.scales import is_kv_scale
+from kvtool.engine.kv.scales import is_attention_scale
 from kvtool.engine.models.fp8_linear import Fp8Linear, fp8_projections
 from kvtool.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvtool.engine.models.layers import CausalLM, RotaryEmbedding
@@ -305,8 +305,8 @@ def _load_safetensors(
         for name, info in header.items():
             if config.quantization is not None and scale_owner(name) is not None:
                 continue  # checked by match_scales, read with its weight
-            if is_kv_scale(name):
-                continue  # an fp8 KV cache's scale (kv/scales.py), read by the engine when it has one
+            if is_attention_scale(name):
+                continue  # an attention scale (kv/scales.py): an fp8 cache reads the K/V ones
             parts = packed.get(name, [name])
             if parts[0] not in params:
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):

@@ -23,7 +23,7 @@ from kvtool.engine.core.hashing import extend_block_hashes
 from kvtool.engine.errors import ConfigError, ModelError
 from kvtool.engine.kv.identity import identity_for_model, resolve_kv_dtype
 from kvtool.engine.kv.pages import KVGeometry, KVPages
-from kvtool.engine.kv.scales import KVScales, kv_scale_target, read_kv_scales
+from kvtool.engine.kv.scales import KVScales, is_attention_scale, kv_scale_target, read_kv_scales
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.catalog import create_model_dir
 from tests.support.architecture_checks import PROMPTS, engine
@@ -72,13 +72,18 @@ def test_kv_cache_dtype_names_resolve_as_vllm_reads_them():
 
 def test_checkpoint_kv_scales_are_read_by_vllms_names(tmp_path):
     assert kv_scale_target("model.layers.3.self_attn.k_scale") == (3, "k")
-    assert kv_scale_target("model.layers.0.self_attn.kv_scale") == (0, "kv")
+    assert kv_scale_target("model.layers.0.self_attn.kv_scale") == (0, "k")
     assert kv_scale_target("model.layers.1.self_attn.v_proj.output_scale") == (1, "v")
     assert kv_scale_target("model.layers.2.self_attn.k_proj.k_scale") == (2, "k")
+    assert kv_scale_target("model.layers.2.self_attn.qkv_proj.v_scale") == (2, "v")
+    assert kv_scale_target("model.layers.2.self_attn.v_cache.scale") == (2, "v")
     assert kv_scale_target("model.layers.2.self_attn.attn.v_scale") == (2, "v")
     for other in ("model.layers.2.self_attn.k_proj.weight_scale", "model.layers.2.self_attn.k_proj.input_scale",
-                  "model.layers.2.mlp.up_proj.output_scale"):
+                  "model.layers.2.mlp.up_proj.output_scale", "model.layers.2.self_attn.q_scale"):
         assert kv_scale_target(other) is None
+    assert is_attention_scale("model.layers.2.self_attn.q_scale")
+    assert is_attention_scale("model.layers.2.self_attn.prob_output_scale")
+    assert not is_attention_scale("model.layers.2.self_attn.k_proj.weight_scale")
     path = tmp_path / "scales.safetensors"
     save_file({"model.layers.0.self_attn.kv_scale": torch.tensor(0.5),
                "model.layers.2.self_attn.k_proj.output_scale": torch.tensor([0.125], dtype=torch.bfloat16),
@@ -90,6 +95,12 @@ def test_checkpoint_kv_scales_are_read_by_vllms_names(tmp_path):
             read_kv_scales([path], 3)
     save_file({"model.layers.7.self_attn.k_scale": torch.tensor(1.0)}, str(path))
     with pytest.raises(ModelError, match="names layer 7; the model has 3$"):
+        read_kv_scales([path], 3)
+    # vLLM's rule for one side: K's scale stands for V's; V's alone is refused (vLLM asserts K's).
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.25)}, str(path))
+    assert read_kv_scales([path], 3) == KVScales((1.0, 0.25, 1.0), (1.0, 0.25, 1.0))
+    save_file({"model.layers.1.self_attn.v_scale": torch.tensor(0.25)}, str(path))
+    with pytest.raises(ModelError, match="layer 1 has a V scale but no K scale"):
         read_kv_scales([path], 3)
 
 
@@ -252,3 +263,53 @@ def test_calculated_scales_come_from_each_layers_first_kv_and_hold(tiny, tmp_pat
         e.close()
     with pytest.raises(ConfigError, match="^--calculate-kv-scales with a KV connector: "):
         engine(tiny, kv_cache_dtype="fp8", calculate_kv_scales=True, kv_transfer_config=_tier(tmp_path))
+
+
+def _vllm_cache_scale_rules():
+    """vLLM 0.33's own cache-scale name mappers, read from its source in the peer environment
+    (importing it there pulls in packages the peer environment leaves out): Fp8Config's suffix
+    table (compressed-tensors' names), then QuantizationConfig's regular expressions."""
+    import ast
+
+    from kvtool.peer.env import peer_venv
+
+    root = next(peer_venv().glob("lib/python3*/site-packages/vllm/model_executor/layers/quantization"))
+
+    def table(path, owner, name):
+        tree = ast.parse((root / path).read_text())
+        cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == owner)
+        fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_cache_scale_mapper")
+        assign = next(n for n in ast.walk(fn) if isinstance(n, ast.Assign) and n.targets[0].id == name)
+        keys = [k.args[0].value if isinstance(k, ast.Call) else k.value for k in assign.value.keys]
+        return list(zip(keys, (v.value for v in assign.value.values)))
+
+    return table("fp8.py", "Fp8Config", "orig_to_new_suffix"), table("base_config.py", "QuantizationConfig",
+                                                                     "orig_to_new_regex")
+
+
+@pytest.mark.peer
+def test_kv_scale_names_are_read_as_vllms_own_mappers_map_them():
+    import re
+
+    suffixes, patterns = _vllm_cache_scale_rules()
+    assert len(suffixes) >= 4 and len(patterns) >= 8
+
+    def vllm_side(name):
+        for old, new in suffixes:
+            if name.endswith(old):
+                name = name[: -len(old)] + new
+        for pattern, new in patterns:
+            name = re.sub(pattern, new, name)
+        m = re.search(r"\.self_attn\.attn\.([kv])_scale$", name)
+        return m.group(1) if m else None
+
+    prefix = "model.layers.5.self_attn."
+    names = [prefix + n for n in (
+        "k_scale", "v_scale", "attn.k_scale", "kv_scale", "k_proj.output_scale", "v_proj.output_scale",
+        "k_proj.k_scale", "v_proj.v_scale", "qkv_proj.k_scale", "qkv_proj.v_scale", "k_cache.scale",
+        "v_cache.scale", "q_scale", "q_proj.output_scale", "prob_output_scale", "k_zero_point",
+        "k_proj.weight_scale", "k_proj.input_scale", "k_proj.weight")]
+    for name in names:
+        ours = kv_scale_target(name)
+        assert (ours and ours[1]) == vllm_side(name), name
+        assert ours is None or ours[0] == 5
