@@ -20,7 +20,9 @@ Sections:
               (the workload of `kvtool bench throughput`; --quick: 64 sequences)
   models      other architectures with the default settings: Qwen2.5-7B (cold prefill 8k, batch-1
               TPOT), Qwen3-8B in bf16 and as a block-wise FP8 checkpoint (the same two), Qwen3-30B-A3B
-              (batch-1 TPOT, throughput on the `throughput` workload); --quick: Qwen2.5-7B and the MoE
+              (batch-1 TPOT, throughput on the `throughput` workload), Gemma 3 4B's text model (cold
+              prefill 8k and 32k, TPOT, KV bytes per token of a 32k context beside the bound of a
+              cache whose local layers keep their window only); --quick: Qwen2.5-7B, the MoE, Gemma
   profile     where a batch-1 decode step of Qwen3-8B spends its GPU time, batch-invariant (the
               default) and not: torch.profiler over 64 decode steps at 2k context, the kernels by
               total time (printed; one row per mode with the step's summed kernel time)
@@ -840,19 +842,24 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
 
 
 # (preset, what it is measured on): Qwen2.5-7B and the FP8 Qwen3-8B with the bf16 one beside it
-# (prefill 8k, TPOT), Qwen3-30B-A3B (TPOT, throughput on the Qwen3-0.6B workload's lengths).
+# (prefill 8k, TPOT), Qwen3-30B-A3B (TPOT, throughput on the Qwen3-0.6B workload's lengths),
+# Gemma 3 4B's text model (prefill 8k and 32k, TPOT, and its KV bytes per token of a 32k context).
 MODEL_ROWS = (("qwen2.5-7b", ("prefill", "tpot")), ("qwen3-8b", ("prefill", "tpot")),
-              ("qwen3-8b-fp8", ("prefill", "tpot")), ("qwen3-30b-a3b", ("tpot", "throughput")))
-MODEL_VLLM = ("qwen2.5-7b", "qwen3-30b-a3b")  # vLLM's arm: the FP8 rows compare with kvtool's bf16
+              ("qwen3-8b-fp8", ("prefill", "tpot")), ("qwen3-30b-a3b", ("tpot", "throughput")),
+              ("gemma-3-4b", ("prefill", "prefill32k", "tpot", "kv_memory")))
+# vLLM's arm: the FP8 rows compare with kvtool's bf16.
+MODEL_VLLM = ("qwen2.5-7b", "qwen3-30b-a3b", "gemma-3-4b")
 MODELS: set[str] | None = None  # --models: the rows to run
 MODEL_ENGINE = {"max_model_len": 16384, "max_num_batched_tokens": 16384, "max_num_seqs": 256}
+# Rows whose prompts need a longer context than MODEL_ENGINE's.
+MODEL_ENGINE_FOR = {"gemma-3-4b": {"max_model_len": 40960, "max_num_batched_tokens": 32768, "max_num_seqs": 64}}
 
 
 def section_models():
     warm, decode_prompts = decode_workload()
-    prefill_prompts = prefill_workload((8192,))[8192]
+    prefill_prompts = prefill_workload((8192, 32768))
     seqs = throughput_workload(64 if QUICK else 256)
-    work = {"prefill": prefill_prompts, "tpot": decode_prompts,
+    work = {"prefill": prefill_prompts[8192], "prefill32k": prefill_prompts[32768], "tpot": decode_prompts,
             "throughput": ([s.prompt_token_ids for s in seqs], [s.output_len for s in seqs])}
     rows = MODEL_ROWS[:1] + MODEL_ROWS[3:] if QUICK else MODEL_ROWS
     for preset, measures in [(p, m) for p, m in rows if MODELS is None or p in MODELS]:
@@ -867,14 +874,17 @@ def kvtool_models(preset: str, measures, warm: list[int], work: dict) -> None:
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     sp = SamplingParams(max_tokens=DECODE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    engine = make_engine(preset, enable_prefix_caching=False, **MODEL_ENGINE)
+    engine = make_engine(preset, enable_prefix_caching=False, **{**MODEL_ENGINE, **MODEL_ENGINE_FOR.get(preset, {})})
     paths = engine.executor.worker.fast_paths
     detail = {"moe_experts": paths.moe_experts, "cuda_graphs": paths.cuda_graphs, "qkv_product": paths.gemm.qkv}
     engine.generate([warm], sp)
-    if "prefill" in measures:
-        ms = [engine.generate([p], one)[0].stats.ttft_s * 1e3 for p in work["prefill"]]
-        record("models", f"{preset} cold prefill TTFT 8k", statistics.median(ms[1:]), "ms", None,
-               measure=f"{preset} cold prefill 8k", runs_ms=[round(t, 2) for t in ms], **detail)
+    for measure, n in (("prefill", 8192), ("prefill32k", 32768)):
+        if measure in measures:
+            ms = [engine.generate([p], one)[0].stats.ttft_s * 1e3 for p in work[measure]]
+            record("models", f"{preset} cold prefill TTFT {n // 1024}k", statistics.median(ms[1:]), "ms", None,
+                   measure=f"{preset} cold prefill {n // 1024}k", runs_ms=[round(t, 2) for t in ms], **detail)
+    if "kv_memory" in measures:
+        record_kv_memory(preset, engine)
     if "tpot" in measures:
         tpots = []
         for prompt in work["tpot"]:
@@ -898,22 +908,40 @@ def kvtool_models(preset: str, measures, warm: list[int], work: dict) -> None:
     engine.close()
 
 
+def record_kv_memory(preset: str, engine, context: int = 32768) -> None:
+    """KV bytes per token of a `context`-token sequence in kvtool's pages, beside what a model
+    whose sliding-window layers kept only their window would hold (global layers' share plus the
+    local layers' window share of a full-attention model's bytes)."""
+    cfg = engine.model_config
+    full = engine.executor.worker.kv_pages.geometry.bytes_per_token
+    window = cfg.sliding_window or context
+    local = len(cfg.gemma.sliding_layers) if cfg.gemma is not None else (cfg.num_layers if cfg.sliding_window else 0)
+    bound = full * ((cfg.num_layers - local) + local * min(window, context) / context) / cfg.num_layers
+    record("models", f"{preset} KV bytes per token of a {context // 1024}k context", full, "B", None,
+           windowed_bound=round(bound, 1), ratio_to_bound=round(full / bound, 3), local_layers=local,
+           layers=cfg.num_layers, sliding_window=window)
+
+
 def vllm_models(preset: str, measures, warm: list[int], work: dict) -> None:
     jobs = [requests_job("warm", [warm], DECODE_OUTPUT_TOKENS)]
     if "prefill" in measures:
         jobs.append(requests_job("prefill", work["prefill"], 1))
+    if "prefill32k" in measures:
+        jobs.append(requests_job("prefill32k", work["prefill32k"], 1))
     if "tpot" in measures:
         jobs.append(requests_job("tpot", work["tpot"], DECODE_OUTPUT_TOKENS))
     if "throughput" in measures:
         prompts, outs = work["throughput"]
         jobs.append({"name": "throughput", "job": "batch", "prompts": prompts, "max_tokens": outs,
                      "passes": 1 + THROUGHPUT_PASSES})
-    startup, results = run_vllm("models", preset, {"enable_prefix_caching": False, **MODEL_ENGINE}, jobs)
+    startup, results = run_vllm("models", preset, {"enable_prefix_caching": False, **MODEL_ENGINE,
+                                                   **MODEL_ENGINE_FOR.get(preset, {})}, jobs)
     engine = vllm_engine(startup)
-    if "prefill" in measures:
-        ms = [(r["ttft_s"] or r["wall_s"]) * 1e3 for r in results["prefill"]]
-        record("models", f"{preset} cold prefill TTFT 8k", statistics.median(ms[1:]), "ms", None, engine=engine,
-               measure=f"{preset} cold prefill 8k", runs_ms=[round(t, 2) for t in ms])
+    for measure, n in (("prefill", 8192), ("prefill32k", 32768)):
+        if measure in measures:
+            ms = [(r["ttft_s"] or r["wall_s"]) * 1e3 for r in results[measure]]
+            record("models", f"{preset} cold prefill TTFT {n // 1024}k", statistics.median(ms[1:]), "ms", None,
+                   engine=engine, measure=f"{preset} cold prefill {n // 1024}k", runs_ms=[round(t, 2) for t in ms])
     if "tpot" in measures:
         tpots = [r["tpot_s"] * 1e3 if r["tpot_s"] else (r["wall_s"] - (r["ttft_s"] or 0)) / (r["output_tokens"] - 1) * 1e3
                  for r in results["tpot"]]
