@@ -162,7 +162,12 @@ class KVPages:
             torch.index_select(pages, 0, block_ids, out=out)
             return
         scale = (self.k_scale if kv == 0 else self.v_scale)[layer]
-        out.copy_(self.dequantize(pages.index_select(0, block_ids), scale, out.dtype))
+        out.copy_(self.dequantize(self._bytes(pages).index_select(0, block_ids).view(pages.dtype), scale, out.dtype))
+
+    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """t (the pages or a view of them) as its bytes for an fp8 cache, which torch indexes on
+        every device (it has no fp8 index kernels on some); t itself otherwise."""
+        return t.view(torch.uint8) if self.quantized else t
 
     @property
     def nbytes(self) -> int:
@@ -174,15 +179,16 @@ class KVPages:
         """Store new tokens' K and V ([T, H, D] each) at (block_ids[t], offsets[t]) of one layer
         (quantised with the layer's scales in an fp8 cache)."""
         self.calculate_scales(layer, k, v)
-        self.tensor[block_ids, 0, layer, offsets] = self.quantize(k, self.k_scale[layer])
-        self.tensor[block_ids, 1, layer, offsets] = self.quantize(v, self.v_scale[layer])
+        pages = self._bytes(self.tensor)
+        pages[block_ids, 0, layer, offsets] = self._bytes(self.quantize(k, self.k_scale[layer]))
+        pages[block_ids, 1, layer, offsets] = self._bytes(self.quantize(v, self.v_scale[layer]))
 
     def read_layer(self, layer: int, block_ids: torch.Tensor, num_tokens: int,
                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for a sequence's first num_tokens tokens, as `dtype` (default the
         pages'; an fp8 cache's values come back dequantised). Returns ([T, H, D], [T, H, D])."""
         g = self.geometry
-        kv = self.tensor[block_ids, :, layer]  # [nb, 2, bs, H, D]
+        kv = self._bytes(self.tensor)[block_ids, :, layer].view(self.tensor.dtype)  # [nb, 2, bs, H, D]
         kv = kv.transpose(0, 1).reshape(2, -1, g.num_kv_heads, g.head_dim)[:, :num_tokens]
         if dtype is None:
             return kv[0], kv[1]
@@ -196,10 +202,7 @@ class KVPages:
         tokens of the blocks (default: all of them).
         """
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        if self.quantized:
-            blocks = self.tensor.view(torch.uint8).index_select(0, idx).view(self.tensor.dtype)
-        else:
-            blocks = self.tensor.index_select(0, idx)
+        blocks = self._bytes(self.tensor).index_select(0, idx).view(self.tensor.dtype)
         if layout == "block_major":
             return blocks
         g = self.geometry
@@ -216,9 +219,7 @@ class KVPages:
         if self.quantized and data.dtype == torch.uint8:
             data = data.view(self.tensor.dtype)
         data = data.to(device=self.device, dtype=self.tensor.dtype)
-        pages = self.tensor
-        if self.quantized:  # moved as bytes (torch has no index_copy_ of fp8 on every device)
-            pages, data = pages.view(torch.uint8), data.view(torch.uint8)
+        pages, data = self._bytes(self.tensor), self._bytes(data)
         if layout == "block_major":
             pages.index_copy_(0, idx, data)
             return
