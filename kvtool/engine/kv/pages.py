@@ -130,13 +130,14 @@ class KVPages:
     def calculate_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's scales from k, v [T, H, D], the first real K/V it stores after
         `calculate_scales_from_next_kv` (max |k| / 200, max |v| / 100: vLLM's K_SCALE_CONSTANT
-        and V_SCALE_CONSTANT), updated in place (graphs read them by address), once. A no-op for
-        a layer that has its scales, or for no tokens."""
+        and V_SCALE_CONSTANT; all-zero K or V keeps a scale above zero), updated in place (graphs
+        read them by address), once. A no-op for a layer that has its scales, or for no tokens."""
         if layer not in self._scales_pending or k.shape[0] == 0:
             return
         self._scales_pending.discard(layer)
-        self.k_scale[layer].copy_(k.abs().amax().float() / K_SCALE_CONSTANT)
-        self.v_scale[layer].copy_(v.abs().amax().float() / V_SCALE_CONSTANT)
+        tiny = torch.finfo(torch.float32).tiny
+        self.k_scale[layer].copy_((k.abs().amax().float() / K_SCALE_CONSTANT).clamp_min(tiny))
+        self.v_scale[layer].copy_((v.abs().amax().float() / V_SCALE_CONSTANT).clamp_min(tiny))
 
     @property
     def quantized(self) -> bool:
