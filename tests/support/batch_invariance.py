@@ -24,3 +24,19 @@ def alone_equals_batched(engine) -> None:
         assert [(r.output_token_ids, r.logprobs) for r in batch[-2:]] == alone, n
     graphs = engine.executor.worker.runner.graphs
     assert graphs is not None and sum(graphs.replays.values()), "no decode step replayed a graph"
+
+
+def cuda_model_is_batch_invariant(model_dir, check_engine=None) -> None:
+    """`alone_equals_batched` on an engine of `model_dir` on CUDA (bf16, batch-invariant, no prefix
+    cache); `check_engine(engine)` first, when given."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+
+    engine = LLMEngine(EngineParams(model=str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks=400,
+                                    max_model_len=2000, batch_invariant=True, enable_prefix_caching=False))
+    try:
+        if check_engine is not None:
+            check_engine(engine)
+        alone_equals_batched(engine)
+    finally:
+        engine.close()

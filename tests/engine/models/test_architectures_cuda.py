@@ -144,16 +144,9 @@ def test_logits_and_greedy_tokens_against_transformers_on_the_gpu(model_dirs, na
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_each_architecture_is_batch_invariant_with_graphs(model_dirs, name):
-    from kvtool.engine.engine import LLMEngine
-    from kvtool.engine.params import EngineParams
-    from tests.support.batch_invariance import alone_equals_batched
+    from tests.support.batch_invariance import cuda_model_is_batch_invariant
 
-    engine = LLMEngine(EngineParams(model=str(model_dirs[name]), device="cuda", dtype="bfloat16", num_gpu_blocks=400,
-                                    max_model_len=2000, batch_invariant=True, enable_prefix_caching=False))
-    try:
-        alone_equals_batched(engine)
-    finally:
-        engine.close()
+    cuda_model_is_batch_invariant(model_dirs[name])
 
 
 def test_gemma3_runs_on_cuda_with_the_fused_kernels_and_graphs(tmp_path):
