@@ -231,11 +231,14 @@ def test_fp8_logprobs_stay_close_to_the_model_dtypes(tmp_path):
             e.close()
     dense, fp8 = results["auto"], results["fp8"]
     assert fp8.output_token_ids[:2] == dense.output_token_ids[:2]
+    compared = 0
     for step, token in enumerate(dense.output_token_ids):
         if step and fp8.output_token_ids[:step] != dense.output_token_ids[:step]:
             break  # the contexts differ from here on
-        if token in fp8.logprobs[step]:
-            assert abs(fp8.logprobs[step][token] - dense.logprobs[step][token]) <= 0.25
+        assert token in fp8.logprobs[step]  # within the fp8 cache's top 5 while the contexts agree
+        assert abs(fp8.logprobs[step][token] - dense.logprobs[step][token]) <= 0.25
+        compared += 1
+    assert compared >= 2
 
 
 def test_calculated_scales_come_from_each_layers_first_kv_and_hold(tiny, tmp_path):

@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 
 def qk_factor(scale: float, softcap: float | None) -> float:
-    """The factor the decode kernels multiply q.k by: scale * log2(e) (scores in base 2), or for a
+    """The factor the attention kernels multiply q.k by: scale * log2(e) (scores in base 2), or for a
     soft-capped layer scale / softcap (the argument of the tanh, `soft_cap`)."""
     return scale * LOG2E if softcap is None else scale / softcap
 

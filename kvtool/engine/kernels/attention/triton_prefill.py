@@ -37,14 +37,13 @@ online softmax (the same explicit FMA), so the capped score tanh(s / c) * c ente
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kvtool.engine.kernels.attention.triton_ops import tanh
+from kvtool.engine.kernels.attention.triton_ops import qk_factor, tanh
 
 
 def key_tile(head_dim: int) -> int:
@@ -197,7 +196,7 @@ def triton_prefill_attention(
     # Eight warps for blocks of 128 rows, and for heads past 128 (Gemma's 256), whose [64, D]
     # float32 output four warps cannot hold in registers (sm_90 code spills).
     _prefill_kernel[grid](
-        *srcs, out, cu_q, cu_k, scale * math.log2(math.e) if softcap is None else scale / softcap,
+        *srcs, out, cu_q, cu_k, qk_factor(scale, softcap),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0,
         SOFTCAP=softcap or 0.0, num_warps=8 if block_m == 128 or dp > 128 else 4,
