@@ -47,7 +47,10 @@ class Cache:
     """The cache as the events describe it, plus the checks of each event."""
 
     def __init__(self) -> None:
+        # medium -> {(group_idx, external hash)}: a hash is held once per KV cache group.
         self.media: dict[str, set] = {}
+        # (medium, group_idx) -> [kv_cache_spec_kind, sliding window], as first announced
+        self.groups: dict[tuple, list] = {}
         self.full: dict = {}  # external hash -> full 32-byte hash, as recomputed here
         self.errors: list[str] = []
         self.num_hash_checks = 0
@@ -62,13 +65,20 @@ class Cache:
             self.counts[type(event).__name__] = self.counts.get(type(event).__name__, 0) + 1
             if isinstance(event, BlockStored):
                 self._check_hashes(seq, event)
-                self.media.setdefault(event.medium, set()).update(event.block_hashes)
+                group = event.group_idx or 0
+                spec = [event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window]
+                if self.groups.setdefault((event.medium, group), spec) != spec:
+                    self.errors.append(f"seq {seq}: group {group} announced as {spec}, before as "
+                                       f"{self.groups[event.medium, group]}")
+                self.media.setdefault(event.medium, set()).update((group, h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 held = self.media.setdefault(event.medium, set())
+                group = event.group_idx or 0
                 for h in event.block_hashes:
-                    if h not in held:
-                        self.errors.append(f"seq {seq}: BlockRemoved of {_key(h)} not held in {event.medium}")
-                    held.discard(h)
+                    if (group, h) not in held:
+                        self.errors.append(f"seq {seq}: BlockRemoved of {_key(h)} (group {group}) not held in "
+                                           f"{event.medium}")
+                    held.discard((group, h))
             elif isinstance(event, AllBlocksCleared):
                 # vLLM sends it from the engine's own block pool (reset_prefix_cache).
                 self.media["GPU"] = set()
@@ -96,7 +106,9 @@ class Cache:
             self.num_hash_checks += 1
 
     def state(self) -> dict[str, list[str]]:
-        return {medium: sorted(_key(h) for h in held) for medium, held in self.media.items()}
+        """Per medium, the held hashes: group 0's as the hash, another group's as 'g<group>:<hash>'."""
+        return {medium: sorted(_key(h) if g == 0 else f"g{g}:{_key(h)}" for g, h in held)
+                for medium, held in self.media.items()}
 
 
 def _replay(ctx: zmq.Context, endpoint: str, from_seq: int, topic: bytes) -> dict[int, bytes]:
@@ -130,6 +142,7 @@ def _rebuild(batches: dict[int, bytes], live: list[int], replayed: list[int]) ->
         "live_seqs": sorted(live), "replayed_seqs": sorted(replayed), "state": cache.state(),
         "errors": cache.errors, "num_hash_checks": cache.num_hash_checks,
         "mismatched_reencodes": cache.mismatched_reencodes, "counts": cache.counts,
+        "groups": {str(g): spec for (medium, g), spec in sorted(cache.groups.items()) if medium == "GPU"},
     }
 
 

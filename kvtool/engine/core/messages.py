@@ -51,6 +51,11 @@ class ScheduledRequest(msgspec.Struct, kw_only=True):
     start: int  # absolute position of token_ids[0] (= num_computed_tokens before the step)
     new_block_ids: list[int]  # blocks appended to the request's table since the last message
     sample: bool  # True when this step reaches the end of the known tokens
+    # The same for KV cache groups 1.. of a multi-group layout (`kv.groups`), one list each; empty
+    # with one group. A table's null entries (block 0: freed by a sliding window, or before a
+    # sliding window's hit) come as such; entries freed later are never sent again (the runner
+    # masks what lies outside each layer's window).
+    new_group_block_ids: list[list[int]] = []
 
     @property
     def num_tokens(self) -> int:

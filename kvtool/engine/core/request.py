@@ -73,7 +73,9 @@ class Request:
         self.num_external_loaded_from_disk = 0  # of those, read from a disk tier on the way
         self.num_external_stored_tokens = 0
         self.block_hashes: list[bytes] = []
-        self.block_ids: list[int] = []
+        # The request's block table of each KV cache group (`core.kv_blocks`); `block_ids` is
+        # group 0's, the only one of a model whose layers attend alike.
+        self.group_block_ids: list[list[int]] = [[]]
         self.num_preemptions = 0
         self.logprobs: list[dict[int, float]] = []
         self.stop_reason: str | int | None = None
@@ -82,6 +84,14 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_block_ids[0]
+
+    @block_ids.setter
+    def block_ids(self, block_ids: list[int]) -> None:
+        self.group_block_ids[0] = block_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from kvtool.engine.connectors.base import SchedulerHalf
 from kvtool.engine.core.block_hash_memo import BlockHashMemo
 from kvtool.engine.core.block_pool import BlockPool
 from kvtool.engine.core.hashing import extend_block_hashes
+from kvtool.engine.core.kv_blocks import GroupTables
 from kvtool.engine.errors import KVToolError
 from kvtool.engine.core.messages import (
     KVConnectorOutput,
@@ -38,6 +39,7 @@ from kvtool.engine.core.messages import (
 )
 from kvtool.engine.core.request import Request, RequestStatus
 from kvtool.engine.core.structured_output import StructuredOutputs
+from kvtool.engine.kv.groups import KVCacheLayout, single_group
 from kvtool.engine.outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class Scheduler:
         connector: SchedulerHalf | None = None,
         kv_load_failure_policy: str = "fail",
         structured_outputs: StructuredOutputs | None = None,
+        layout: KVCacheLayout | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,7 +67,13 @@ class Scheduler:
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.structured_outputs = structured_outputs
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # One block pool for every KV cache group (`kv.groups`; the scheduler reads only their
+        # windows); one table per group for each request.
+        self.layout = layout if layout is not None else single_group(1)
+        if connector is not None and self.layout.hybrid:
+            raise ValueError("a KV connector moves the blocks of one full-attention KV cache group")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, null_block=self.layout.hybrid)
+        self.tables = GroupTables(self.pool, self.layout, block_size)
         # Block hashes are needed for the prefix cache and for connectors' keys (None: no hashes).
         needs_block_hashes = enable_prefix_caching or connector is not None
         self.hash_memo = BlockHashMemo(block_size, none_hash) if needs_block_hashes else None
@@ -73,8 +82,8 @@ class Scheduler:
         # Every request from add_request until pop_request, finished ones included.
         self.requests: dict[str, Request] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        # request id -> how many of its block ids the runner was told (present while the runner knows it).
-        self.num_sent_blocks: dict[str, int] = {}
+        # request id -> how many of each group's block ids the runner was told (present while the runner knows it).
+        self.num_sent_blocks: dict[str, list[int]] = {}
         self.finished_req_ids: list[str] = []
         # Requests preempted since the last schedule() by preempt_running(): the next message names them.
         self.preempted_between_steps: list[str] = []
@@ -88,7 +97,7 @@ class Scheduler:
         self.steps_in_flight: deque[dict[str, int]] = deque()
         # Blocks of finished requests that the connector still reads (until finished_sending).
         self.held_blocks: dict[str, list[int]] = {}
-        self.stats = EngineStats(num_blocks=num_blocks)
+        self.stats = EngineStats(num_blocks=self.pool.num_usable_blocks)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -151,7 +160,7 @@ class Scheduler:
                 # bad words, min_tokens) the host-side history its next sample depends on.
                 i += 1
                 continue
-            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            need = self.tables.num_new_blocks(req.group_block_ids, req.num_computed_tokens + num_new)
             while not self.pool.can_allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -160,7 +169,7 @@ class Scheduler:
                     break
             if req.request_id in preempted:
                 break
-            req.block_ids.extend(self.pool.allocate(max(need, 0)))
+            self.tables.grow(req.group_block_ids, req.num_computed_tokens + num_new)
             scheduled.append(self._make_scheduled(req, num_new, new_requests))
             budget -= num_new
             i += 1
@@ -236,8 +245,8 @@ class Scheduler:
         bs = self.block_size
         # At least one token must be computed, so a full hit leaves the last token out.
         max_hit_blocks = (req.num_tokens - 1) // bs
-        hits = self.pool.find_cached_prefix(req.block_hashes[:max_hit_blocks])
-        num_local = len(hits) * bs
+        hits, num_hit_blocks = self.tables.find_hit(req.block_hashes, max_hit_blocks)
+        num_local = num_hit_blocks * bs
         num_ext = 0
         if self.connector is not None:
             matched, _ = self.connector.get_num_new_matched_tokens(req, num_local)
@@ -246,13 +255,15 @@ class Scheduler:
             num_ext = max(0, min(matched, req.num_tokens - 1 - num_local))
         num_computed = num_local + num_ext
         num_new = min(req.num_tokens - num_computed, budget)
-        need = self._blocks_for(num_computed + num_new) - len(hits)
-        num_free_hits = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        need = self.tables.num_new_blocks(hits, num_computed + num_new)
+        num_free_hits = self.tables.num_free_hits(hits)
         if not self.pool.can_allocate(need + num_free_hits):
             return None
-        self.pool.touch(hits)
-        req.block_ids = hits + self.pool.allocate(need)
-        self.num_cached_blocks[req.request_id] = len(hits)
+        for t in hits:
+            self.pool.touch(t)
+        req.group_block_ids = hits
+        self.tables.grow(hits, num_computed + num_new)
+        self.num_cached_blocks[req.request_id] = num_hit_blocks
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local
             req.num_external_tokens = num_ext
@@ -274,15 +285,16 @@ class Scheduler:
     def _make_scheduled(self, req: Request, num_new: int, new_requests: list[NewRequestData]) -> ScheduledRequest:
         """The step's message for one request; a request the runner does not know comes in full."""
         rid = req.request_id
+        tables = req.group_block_ids
         sent = self.num_sent_blocks.get(rid)
         if sent is None:
-            sent = 0
+            sent = [0] * len(tables)
             new_requests.append(
                 NewRequestData(request_id=rid, prompt_token_ids=list(req.prompt_token_ids),
                                output_token_ids=list(req.output_token_ids), sampling=req.sampling, seed=req.seed,
                                eos_token_ids=[] if req.sampling.ignore_eos else sorted(req.eos_token_ids))
             )
-        self.num_sent_blocks[rid] = len(req.block_ids)
+        self.num_sent_blocks[rid] = [len(t) for t in tables]
         start = req.num_computed_tokens
         sample = start + num_new == req.num_scheduled_tokens_total
         req.num_computed_tokens += num_new
@@ -292,16 +304,14 @@ class Scheduler:
             request_id=rid,
             token_ids=req.token_ids_slice(start, start + num_new),
             start=start,
-            new_block_ids=req.block_ids[sent:],
+            new_block_ids=tables[0][sent[0]:],
             sample=sample,
+            new_group_block_ids=[t[n:] for t, n in zip(tables[1:], sent[1:])],
         )
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.tables.free(req.group_block_ids)
+        req.group_block_ids = [[] for _ in req.group_block_ids]
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -339,6 +349,8 @@ class Scheduler:
                     outputs.append(out)
                 continue
             self._cache_full_blocks(req, s.start + s.num_tokens)
+            if self.layout.hybrid:
+                self.tables.free_skipped(req.group_block_ids, s.start + s.num_tokens)
             if not s.sample:
                 continue
             token = runner_out.sampled[req.request_id]
@@ -388,7 +400,7 @@ class Scheduler:
         done = self.num_cached_blocks.get(req.request_id, 0)
         full = min(num_computed // self.block_size, len(req.block_hashes))
         if full > done:
-            self.pool.cache_blocks(req.block_ids, req.block_hashes, done, full)
+            self.tables.cache(req.group_block_ids, req.block_hashes, done, full)
             self.num_cached_blocks[req.request_id] = full
 
     def _handle_invalid_blocks(
@@ -460,8 +472,8 @@ class Scheduler:
         if keep:
             self.held_blocks[req.request_id] = req.block_ids
         else:
-            self.pool.free(req.block_ids)
-        req.block_ids = []
+            self.tables.free(req.group_block_ids)
+        req.group_block_ids = [[] for _ in req.group_block_ids]
         self.num_cached_blocks.pop(req.request_id, None)
         if self.num_sent_blocks.pop(req.request_id, None) is not None:
             self.finished_req_ids.append(req.request_id)

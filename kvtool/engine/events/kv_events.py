@@ -166,9 +166,10 @@ def offload_block_removed(medium: str, block_hashes: list[ExternalBlockHash]) ->
 class KVEventStream:
     """Turns the block pool's records (and the tiers' events) into one batch per step, published.
 
-    `pool_events` is the list installed as the pool's `events`: records `("stored", hashes, i)`
-    (block i of the request whose `block_hashes` list is `hashes` got cached), `("removed", h)`
-    and `("cleared",)`, in the order they happened.
+    `pool_events` is the list installed as the pool's `events`: records `("stored", hashes, i, g)`
+    (block i of the request whose `block_hashes` list is `hashes` got cached for KV cache group
+    g), `("removed", h, g)` and `("cleared",)`, in the order they happened. As vLLM 0.33's, every
+    BlockStored names its group's kind and window (`group_specs`, from the engine's layout).
     """
 
     def __init__(self, config: KVEventsConfig, block_size: int, publisher) -> None:
@@ -178,6 +179,9 @@ class KVEventStream:
         self.as_int = use_int_block_hashes()
         self.pool_events: list[tuple] = []
         self.recorders: list[OffloadEventRecorder] = []
+        # (kind, sliding window) of each KV cache group (`kv.groups`); one full-attention group
+        # until `attach` says otherwise.
+        self.group_specs: list[tuple[str, int | None]] = [("full_attention", None)]
 
     def drain(self, requests: Iterable) -> None:
         """Publish what happened since the last drain as one EventBatch (nothing when nothing did).
@@ -196,32 +200,33 @@ class KVEventStream:
         self.pool_events.clear()  # in place: the pool holds this very list
         by_hashes: Mapping[int, Any] = {id(r.block_hashes): r for r in requests}
         events: list[KVCacheEvent] = []
-        run: list[int] = []  # consecutive newly cached block indices of one request
+        run: list[int] = []  # consecutive newly cached block indices of one request and group
         run_hashes: list[bytes] | None = None
+        run_group = 0
 
         def flush() -> None:
             if run:
-                events.append(self._stored(run_hashes, by_hashes.get(id(run_hashes)), run))
+                events.append(self._stored(run_hashes, by_hashes.get(id(run_hashes)), run, run_group))
                 run.clear()
 
         for record in records:
             kind = record[0]
             if kind == "stored":
-                _, hashes, i = record
-                if run and (hashes is not run_hashes or i != run[-1] + 1):
+                _, hashes, i, group = record
+                if run and (hashes is not run_hashes or i != run[-1] + 1 or group != run_group):
                     flush()
-                run_hashes = hashes
+                run_hashes, run_group = hashes, group
                 run.append(i)
                 continue
             flush()
             if kind == "removed":
-                events.append(BlockRemoved(block_hashes=[self._ext(record[1])], medium=MEDIUM_GPU, group_idx=0))
+                events.append(BlockRemoved(block_hashes=[self._ext(record[1])], medium=MEDIUM_GPU, group_idx=record[2]))
             else:
                 events.append(AllBlocksCleared())
         flush()
         return events
 
-    def _stored(self, hashes: list[bytes], req, indices: list[int]) -> BlockStored:
+    def _stored(self, hashes: list[bytes], req, indices: list[int], group: int) -> BlockStored:
         first, last = indices[0], indices[-1]
         bs = self.block_size
         # The request is always live during the step that cached its blocks; were it not, the
@@ -236,15 +241,20 @@ class KVEventStream:
             medium=MEDIUM_GPU,
             lora_name=None,
             extra_keys=[event_extra_keys(i, salt) for i in indices],
-            group_idx=0,
+            group_idx=group,
+            kv_cache_spec_kind=self.group_specs[group][0],
+            kv_cache_spec_sliding_window=self.group_specs[group][1],
         )
 
     def _ext(self, block_hash: bytes) -> ExternalBlockHash:
         return external_block_hash(block_hash, self.as_int)
 
-    def attach(self, pool) -> None:
-        """Make `pool` record into this stream (the pool's `events` hook)."""
+    def attach(self, pool, layout=None) -> None:
+        """Make `pool` record into this stream (the pool's `events` hook); `layout` (a
+        `kv.groups.KVCacheLayout`) names the groups' kinds and windows."""
         pool.events = self.pool_events
+        if layout is not None:
+            self.group_specs = [(g.kind, g.sliding_window) for g in layout.groups]
 
     def close(self) -> None:
         self.publisher.shutdown()

@@ -81,9 +81,12 @@ def _run_workload(engine) -> None:
 
 
 def _cached_hashes(engine, as_int: bool) -> list[str]:
+    """The pool's cached hashes as the subscriber states them (a group past 0 as 'g<group>:')."""
     out = []
-    for h in engine.scheduler.pool.cached:
-        out.append(str(int.from_bytes(h, "big") & ((1 << 64) - 1)) if as_int else h.hex())
+    for key in engine.scheduler.pool.cached:
+        h, group = key[:-4], int.from_bytes(key[-4:], "big")
+        name = str(int.from_bytes(h, "big") & ((1 << 64) - 1)) if as_int else h.hex()
+        out.append(name if group == 0 else f"g{group}:{name}")
     return sorted(out)
 
 
@@ -270,3 +273,4 @@ def test_offloading_tiers_announce_what_they_hold(make_engine, subscriber, tmp_p
     assert len(cpu) == 6 and len(disk) > 6
     assert got["state"]["CPU"] == cpu and got["state"]["STORAGE"] == disk
     assert got["state"]["GPU"] == _cached_hashes(engine, True)
+
