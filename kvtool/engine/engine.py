@@ -22,7 +22,7 @@ from kvtool.engine.core.scheduler import Scheduler
 from kvtool.engine.core.structured_output import StructuredOutputs
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.executor.executor import Executor, build_executor, check_parallelism
-from kvtool.engine.kv.cache_size import num_kv_blocks
+from kvtool.engine.kv.cache_size import kv_cache_layout, num_kv_blocks
 from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype, resolve_kv_dtype
 from kvtool.engine.models import MODEL_CLASSES
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
@@ -104,9 +104,11 @@ class LLMEngine:
                                                  self.identity, self.none_hash)
         self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
         self.scheduler: Scheduler | None = None
+        # The KV cache groups (the workers form the same from the same parameters).
+        self.kv_layout = kv_cache_layout(params, cfg, self.max_model_len, self.device)
         try:
             available = self.executor.determine_available_memory()
-            self.num_blocks = num_kv_blocks(params, cfg, self.kv_dtype, self.max_model_len, available)
+            self.num_blocks = num_kv_blocks(params, cfg, self.kv_dtype, self.max_model_len, available, self.kv_layout)
             self.executor.init_cache(self.num_blocks)
             self.scheduler = self._build_scheduler(connector_cls, self.num_blocks)
             self.kv_events = self._open_kv_events()
@@ -145,6 +147,7 @@ class LLMEngine:
             connector=scheduler_half,
             kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
             structured_outputs=self.structured,
+            layout=self.kv_layout,
         )
 
     def _open_kv_events(self):
@@ -157,7 +160,7 @@ class LLMEngine:
 
         kv_events = open_kv_event_stream(params.kv_events_config, params.block_size)
         if kv_events is not None:
-            kv_events.attach(self.scheduler.pool)
+            kv_events.attach(self.scheduler.pool, self.kv_layout)
             half = self.scheduler.connector
             recorder = half.kv_event_recorder() if half is not None else None
             if recorder is not None:
@@ -196,11 +199,12 @@ class LLMEngine:
                 "tokens with room for one output token"
             )
         max_tokens = min(sampling.max_tokens, self.max_model_len - n)
-        blocks = -(-(n + max_tokens) // self.params.block_size)
-        if blocks > self.num_blocks:
+        blocks = self.scheduler.tables.max_blocks(n + max_tokens, self.params.max_num_batched_tokens)
+        usable = self.scheduler.pool.num_usable_blocks
+        if blocks > usable:
             raise InputError(
                 f"the request needs {blocks} KV blocks ({n} prompt + {max_tokens} output tokens) but the "
-                f"KV cache holds {self.num_blocks}; raise --kv-cache-memory or --num-gpu-blocks, "
+                f"KV cache holds {usable}; raise --kv-cache-memory or --num-gpu-blocks, "
                 "or lower max_tokens"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.engine.errors import ConfigError
+from kvtool.engine.kv.groups import KVCacheLayout, layer_windows, plan_layout, single_group
 from kvtool.engine.kv.pages import DTYPE_NAMES, KVGeometry
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range
 from kvtool.engine.params import EngineParams
@@ -27,19 +28,39 @@ def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) ->
     )
 
 
-def num_kv_blocks(params: EngineParams, config, dtype: torch.dtype, max_model_len: int, available: list[int]) -> int:
-    """KV blocks per rank (--num-gpu-blocks when given) of pages of `dtype` (the KV cache's);
-    available: each rank's bytes for KV pages."""
+def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: torch.device) -> KVCacheLayout:
+    """The engine's KV cache groups (`kv.groups`): a group per kind of layer where the layers'
+    windows differ or bind, as vLLM's hybrid KV cache manager forms them; one full-attention
+    group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager, with a KV
+    connector (whose transfers move one group's blocks), and on CUDA (whose kernels and graphs
+    take one block table)."""
+    windows = layer_windows(config, max_model_len)
+    connector = params.kv_transfer_config is not None and params.kv_transfer_config.kv_connector is not None
+    if params.disable_hybrid_kv_cache_manager or connector or device.type == "cuda":
+        return single_group(config.num_layers)
+    return plan_layout(windows)
+
+
+def bytes_per_block(geometry: KVGeometry, layout: KVCacheLayout) -> int:
+    """Bytes of one block of pages of `geometry` in `layout` (its slots, not all layers)."""
+    return geometry.bytes_per_block // geometry.num_layers * layout.num_slots
+
+
+def num_kv_blocks(params: EngineParams, config, dtype: torch.dtype, max_model_len: int, available: list[int],
+                  layout: KVCacheLayout | None = None) -> int:
+    """KV blocks per rank (--num-gpu-blocks when given) of pages of `dtype` (the KV cache's) in
+    `layout` (default: one group); available: each rank's bytes for KV pages."""
     if params.num_gpu_blocks is not None:
         return params.num_gpu_blocks
     geometry = rank_kv_geometry(config, params.block_size, dtype, TPRank(params.tensor_parallel_size, 0))
-    n = min(available) // geometry.bytes_per_block
+    per_block = bytes_per_block(geometry, layout or single_group(geometry.num_layers))
+    n = min(available) // per_block
     # More blocks than any set of max_num_seqs full-length requests can use is waste.
-    cap = params.max_num_seqs * -(-max_model_len // geometry.block_size) + 1
+    cap = params.max_num_seqs * -(-max_model_len // geometry.block_size) * (layout.num_groups if layout else 1) + 1
     n = min(n, cap)
     if n < 1:
         raise ConfigError(
-            f"no room for KV blocks ({geometry.bytes_per_block} bytes each); "
+            f"no room for KV blocks ({per_block} bytes each); "
             "raise --kv-cache-memory / --gpu-memory-utilization or set --num-gpu-blocks"
         )
     return n

@@ -10,6 +10,11 @@
 One block of all layers is one contiguous range, so moving a block to or from a tier is one
 copy; and for its tokens the bytes are already LMCache's KV_2LTD order `[2, L, T, H*D]`.
 
+A hybrid model's cache (`kv.groups`: KV cache groups, each with its own block table) has
+`num_slots` layers per block instead of all of them: block b then holds the layers of the one
+group it belongs to, layer l in slot `layout.layer_slot[l]`. Every method taking a layer maps it
+to its slot; the layout of one group has slot l = layer l, the tensor above.
+
 An fp8 cache (`--kv-cache-dtype fp8`) holds each value as fp8(x / scale), saturated at the
 dtype's largest finite value and rounded to nearest even, with one float32 scale per layer for K
 and one for V (vLLM's per-tensor `k_scale`/`v_scale`); readers compute fp8 * scale in float32
@@ -26,6 +31,7 @@ import torch
 
 from kvtool.engine.errors import KVRefused
 from kvtool.engine.kv.dtypes import FP8_MAX, KV_ELEMENT_BYTES, torch_dtype
+from kvtool.engine.kv.groups import KVCacheLayout, single_group
 
 Layout = Literal["block_major", "KV_2LTD"]
 # vLLM's --calculate-kv-scales divisors (its K_SCALE_CONSTANT and V_SCALE_CONSTANT).
@@ -93,20 +99,31 @@ class KVPages:
     """Owns the KV tensor. Writers: the attention layers (new tokens) and connectors (scatter)."""
 
     def __init__(self, geometry: KVGeometry, num_blocks: int, device: torch.device,
-                 k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None) -> None:
+                 k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None,
+                 layout: KVCacheLayout | None = None) -> None:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
+        self.layout = layout if layout is not None else single_group(geometry.num_layers)
+        if self.layout.num_layers != geometry.num_layers:
+            raise ValueError(f"KV cache layout of {self.layout.num_layers} layers for pages of {geometry.num_layers}")
+        # layer -> its slot in a block (the layer itself with one group)
+        self.slot_of = self.layout.layer_slot
         g = geometry
-        # [num_blocks, 2, L, bs, H, D]. Zeroed on CUDA, where kernels may read a block's unused
-        # slots under a mask (0 x NaN would be NaN); on CPU the reference path reads written
-        # tokens only, and an untouched allocation costs no memory until the pages are used.
+        # [num_blocks, 2, slots, bs, H, D]. Zeroed on CUDA, where kernels may read a block's
+        # unused slots under a mask (0 x NaN would be NaN); on CPU the reference path reads
+        # written tokens only, and an untouched allocation costs no memory until the pages are
+        # used. A hybrid layout's block 0 (the pool's null block, which no request writes) is
+        # zeroed everywhere: tables point their freed blocks at it, and the CPU kernels read it
+        # under a mask.
         alloc = torch.zeros if device.type == "cuda" else torch.empty
         self.tensor = alloc(
-            (num_blocks, 2, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim),
+            (num_blocks, 2, self.layout.num_slots, g.block_size, g.num_kv_heads, g.head_dim),
             dtype=DTYPES[g.dtype],
             device=device,
         )
+        if self.layout.hybrid and num_blocks:
+            self.tensor[0].zero_()
         # [L] float32 each, on the pages' device (kernels read them there): 1.0 unless given.
         ones = [1.0] * g.num_layers
         self.k_scale = torch.tensor(ones if k_scales is None else list(k_scales), dtype=torch.float32, device=device)
@@ -158,7 +175,7 @@ class KVPages:
 
     def select(self, layer: int, kv: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Blocks `block_ids` of one layer's K (kv=0) or V (kv=1) into out [n, bs, H, D], in out's dtype."""
-        pages = self.tensor[:, kv, layer]
+        pages = self.tensor[:, kv, self.slot_of[layer]]
         if not self.quantized and out.dtype == pages.dtype:
             torch.index_select(pages, 0, block_ids, out=out)
             return
@@ -170,6 +187,11 @@ class KVPages:
         every device (it has no fp8 index kernels on some); t itself otherwise."""
         return t.view(torch.uint8) if self.quantized else t
 
+    def _one_group(self, what: str) -> None:
+        if self.layout.num_groups != 1:
+            raise ValueError(f"{what} moves the layers of one KV cache group's blocks; these pages have "
+                             f"{self.layout.describe()}")
+
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
@@ -180,16 +202,16 @@ class KVPages:
         """Store new tokens' K and V ([T, H, D] each) at (block_ids[t], offsets[t]) of one layer
         (quantised with the layer's scales in an fp8 cache)."""
         self.calculate_scales(layer, k, v)
-        pages = self._bytes(self.tensor)
-        pages[block_ids, 0, layer, offsets] = self._bytes(self.quantize(k, self.k_scale[layer]))
-        pages[block_ids, 1, layer, offsets] = self._bytes(self.quantize(v, self.v_scale[layer]))
+        pages, slot = self._bytes(self.tensor), self.slot_of[layer]
+        pages[block_ids, 0, slot, offsets] = self._bytes(self.quantize(k, self.k_scale[layer]))
+        pages[block_ids, 1, slot, offsets] = self._bytes(self.quantize(v, self.v_scale[layer]))
 
     def read_layer(self, layer: int, block_ids: torch.Tensor, num_tokens: int,
                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for a sequence's first num_tokens tokens, as `dtype` (default the
         pages'; an fp8 cache's values come back dequantised). Returns ([T, H, D], [T, H, D])."""
         g = self.geometry
-        kv = self._bytes(self.tensor)[block_ids, :, layer].view(self.tensor.dtype)  # [nb, 2, bs, H, D]
+        kv = self._bytes(self.tensor)[block_ids, :, self.slot_of[layer]].view(self.tensor.dtype)  # [nb, 2, bs, H, D]
         kv = kv.transpose(0, 1).reshape(2, -1, g.num_kv_heads, g.head_dim)[:, :num_tokens]
         if dtype is None:
             return kv[0], kv[1]
@@ -199,9 +221,11 @@ class KVPages:
     def gather(self, block_ids: Sequence[int], layout: Layout = "block_major", num_tokens: int | None = None) -> torch.Tensor:
         """Copy blocks out into a new contiguous tensor.
 
-        block_major: [nb, 2, L, bs, H, D]; KV_2LTD: [2, L, T, H*D] over the first num_tokens
-        tokens of the blocks (default: all of them).
+        block_major: [nb, 2, slots, bs, H, D]; KV_2LTD: [2, L, T, H*D] over the first num_tokens
+        tokens of the blocks (default: all of them; one group's layout only).
         """
+        if layout != "block_major":
+            self._one_group(layout)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         blocks = self._bytes(self.tensor).index_select(0, idx).view(self.tensor.dtype)
         if layout == "block_major":
@@ -216,6 +240,8 @@ class KVPages:
     def scatter(self, block_ids: Sequence[int], data: torch.Tensor, layout: Layout = "block_major", num_tokens: int | None = None) -> None:
         """Write a gathered tensor (same layout and shape as `gather` returns) back into blocks.
         An fp8 cache also takes its bytes as uint8 (what vLLM allocates and LMCache moves)."""
+        if layout != "block_major":
+            self._one_group(layout)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         if self.quantized and data.dtype == torch.uint8:
             data = data.view(self.tensor.dtype)

@@ -467,7 +467,7 @@ def _rotated_into_pages(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor
     the rope kernel on the CUDA backend, after a connector's layer hook (a layerwise load of this
     layer lands before the store); `attend` calls the hook after the attention."""
     qkv = qkv_projection(attn, x)
-    meta = current_metadata()
+    meta = current_metadata().for_layer(attn.layer_idx)
     db = meta.device_batch
     # While --calculate-kv-scales waits for this step's K/V, `attend` stores them after the scales.
     into_pages = db is not None and not meta.kv_pages.scales_pending

@@ -37,6 +37,7 @@ from kvtool.engine.kernels.attention import (
 )
 from kvtool.engine.connectors.base import WorkerHalf
 from kvtool.engine.kernels.attention.context import longest_first, tile_bases
+from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.core.messages import (
     PLACEHOLDER_TOKEN,
@@ -68,6 +69,31 @@ class _ConnectorLayerHooks:
         self.worker.save_kv_layer(layer)
 
 
+class _BlockTable:
+    """A request's block ids of one KV cache group, as a growing int32 array."""
+
+    __slots__ = ("table", "num_blocks")
+
+    def __init__(self) -> None:
+        self.table = np.zeros(16, dtype=np.int32)
+        self.num_blocks = 0
+
+    def add(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        n = self.num_blocks + len(block_ids)
+        if n > len(self.table):
+            grown = np.zeros(max(n, 2 * len(self.table)), dtype=np.int32)
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
+            self.table = grown
+        self.table[self.num_blocks : n] = block_ids
+        self.num_blocks = n
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.table[: self.num_blocks]
+
+
 @dataclass(slots=True)
 class _RequestState:
     """What the runner keeps of one request between steps (its own copy, built from messages)."""
@@ -78,21 +104,19 @@ class _RequestState:
     # The tokens it has seen (prompt, then outputs), for the samplers that read history.
     token_ids: list[int]
     eos_token_ids: frozenset[int]
-    table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int32))
-    num_blocks: int = 0
+    # One block table per KV cache group (`kv.groups`), in the order of the layout's groups.
+    tables: list[_BlockTable] = field(default_factory=list)
 
-    def add_blocks(self, block_ids: list[int]) -> None:
-        n = self.num_blocks + len(block_ids)
-        if n > len(self.table):
-            grown = np.zeros(max(n, 2 * len(self.table)), dtype=np.int32)
-            grown[: self.num_blocks] = self.table[: self.num_blocks]
-            self.table = grown
-        self.table[self.num_blocks : n] = block_ids
-        self.num_blocks = n
+    def add_blocks(self, block_ids: list[int], group_block_ids: list[list[int]]) -> None:
+        """Append a step's new blocks: group 0's, then those of groups 1.. (multi-group layouts)."""
+        self.tables[0].add(block_ids)
+        for t, ids in zip(self.tables[1:], group_block_ids):
+            t.add(ids)
 
     @property
     def block_table(self) -> np.ndarray:
-        return self.table[: self.num_blocks]
+        """Group 0's table (the only one of a one-group layout)."""
+        return self.tables[0].view
 
     def see(self, start: int, token_ids: list[int]) -> None:
         """Record a step's tokens (known ones only: a placeholder's sample stays on the device)."""
@@ -204,6 +228,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
+        if self.backend == "cuda" and kv_pages.layout.num_groups > 1:
+            raise ValueError("the CUDA attention backend takes one KV cache group's block table")
         if fast_paths.kernels == "triton" and self.backend != "cuda":
             raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
         self.fast_paths = fast_paths
@@ -278,11 +304,12 @@ class ModelRunner:
             self._states[new.request_id] = _RequestState(
                 sampling=new.sampling, seed=new.seed, num_prompt_tokens=len(new.prompt_token_ids),
                 token_ids=new.prompt_token_ids + new.output_token_ids, eos_token_ids=frozenset(new.eos_token_ids),
+                tables=[_BlockTable() for _ in range(self.kv_pages.layout.num_groups)],
             )
         for s in so.scheduled:
             state = self._states[s.request_id]
-            if s.new_block_ids:
-                state.add_blocks(s.new_block_ids)
+            if s.new_block_ids or s.new_group_block_ids:
+                state.add_blocks(s.new_block_ids, s.new_group_block_ids)
             if s.start + s.num_tokens > len(state.token_ids):
                 state.see(s.start, s.token_ids)
         self._bitmasks = so.allowed_token_bitmasks
@@ -350,11 +377,14 @@ class ModelRunner:
 
     def _forward_and_sample(self, so: SchedulerOutput) -> SampledTokens | None:
         bs = self.block_size
+        layout = self.kv_pages.layout
+        windows = [g.sliding_window if layout.hybrid else None for g in layout.groups]
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
+        # Per KV cache group: the page block of each new token, and each sequence's table.
+        slot_blocks: list[list[int]] = [[] for _ in windows]
+        seqs: list[list[SeqSpan]] = [[] for _ in windows]
         slot_offsets: list[int] = []
-        seqs: list[SeqSpan] = []
         sample_rows: list[int] = []
         for s in so.scheduled:
             q_start = len(input_ids)
@@ -362,22 +392,34 @@ class ModelRunner:
             input_ids.extend(self._resolve_placeholders_host(s))
             pos = range(s.start, ctx_len)
             positions.extend(pos)
-            block_ids = self._states[s.request_id].block_table
-            slot_blocks.extend(int(block_ids[p // bs]) for p in pos)
             slot_offsets.extend(p % bs for p in pos)
-            table = torch.from_numpy(block_ids[: -(-ctx_len // bs)].astype(np.int64)).to(self.device)
-            seqs.append(SeqSpan(q_start=q_start, q_len=s.num_tokens, ctx_len=ctx_len, block_ids=table))
+            for g, w in enumerate(windows):
+                block_ids = self._states[s.request_id].tables[g].view[: -(-ctx_len // bs)]
+                slot_blocks[g].extend(int(block_ids[p // bs]) for p in pos)
+                if w is not None and s.start - w + 1 >= bs:
+                    # Blocks behind the window may be freed (and reused): read the null block there.
+                    block_ids = block_ids.copy()
+                    block_ids[: (s.start - w + 1) // bs] = NULL_BLOCK
+                table = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+                seqs[g].append(SeqSpan(q_start=q_start, q_len=s.num_tokens, ctx_len=ctx_len, block_ids=table))
             if s.sample:
                 sample_rows.append(q_start + s.num_tokens - 1)
         dev = self.device
-        meta = AttentionMetadata(
-            kv_pages=self.kv_pages,
-            seqs=seqs,
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
-            hooks=self.hooks,
-        )
-        self._order_page_writes(np.asarray(slot_blocks, dtype=np.int64))
+        offsets = torch.tensor(slot_offsets, dtype=torch.long, device=dev)
+        metas = [
+            AttentionMetadata(
+                kv_pages=self.kv_pages,
+                seqs=seqs[g],
+                slot_block_ids=torch.tensor(slot_blocks[g], dtype=torch.long, device=dev),
+                slot_offsets=offsets,
+                hooks=self.hooks,
+            )
+            for g in range(len(windows))
+        ]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta = replace(metas[0], group_metas=metas, layer_group=layout.layer_group)
+        self._order_page_writes(np.asarray([b for blocks in slot_blocks for b in blocks], dtype=np.int64))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         # On CPU the model computes the last layer (past storing every row's K/V) and the final
         # norm for the sampled rows only: a row's bits there do not depend on the rows computed

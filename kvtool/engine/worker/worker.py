@@ -18,7 +18,7 @@ import torch
 
 from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, WorkerHalf, identity_of_rank
 from kvtool.engine.core.messages import KVConnectorCompletions, SchedulerOutput
-from kvtool.engine.kv.cache_size import rank_kv_geometry
+from kvtool.engine.kv.cache_size import kv_cache_layout, rank_kv_geometry
 from kvtool.engine.kv.identity import kv_cache_scales, resolve_kv_dtype
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.kv.scales import KVScales
@@ -45,6 +45,7 @@ class Worker:
         self.geometry = rank_kv_geometry(model_config, params.block_size, resolve_kv_dtype(params.kv_cache_dtype, dtype),
                                          tp)
         self.kv_scales = kv_scales  # an fp8 cache's (None: the model's dtype)
+        self.kv_layout = kv_cache_layout(params, model_config, max_model_len, device)  # the engine's groups
         # Built by init_cache.
         self.kv_pages: KVPages | None = None
         self.connector: WorkerHalf | None = None
@@ -66,7 +67,8 @@ class Worker:
 
         p = self.params
         scales = self.kv_scales
-        self.kv_pages = KVPages(self.geometry, num_blocks, self.device, scales and scales.k, scales and scales.v)
+        self.kv_pages = KVPages(self.geometry, num_blocks, self.device, scales and scales.k, scales and scales.v,
+                                layout=self.kv_layout)
         ktc = p.kv_transfer_config
         if self.identity is not None and ktc is not None and ktc.kv_connector is not None:
             identity = identity_of_rank(self.identity, self.tp.size, self.tp.rank)

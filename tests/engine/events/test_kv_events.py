@@ -274,3 +274,29 @@ def test_offloading_tiers_announce_what_they_hold(make_engine, subscriber, tmp_p
     assert got["state"]["CPU"] == cpu and got["state"]["STORAGE"] == disk
     assert got["state"]["GPU"] == _cached_hashes(engine, True)
 
+
+def test_hybrid_groups_announce_each_group_and_rebuild_the_cache(subscriber, tmp_path):
+    """Gemma 3 with KV cache groups: every group's blocks are announced with its group index,
+    kind and window (vLLM 0.33's fields), and the events rebuild the pool per group."""
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+    from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
+
+    preset = PRESETS["tiny-gemma3"]
+    model = tmp_path / "gemma3"
+    write_random_model_dir(model, {**preset.hf_config, "sliding_window": 32}, seed=2, tokenizer=preset.tokenizer)
+    engine = LLMEngine(EngineParams(model=str(model), device="cpu", num_gpu_blocks=48, block_size=BLOCK_SIZE,
+                                    max_model_len=512, max_num_batched_tokens=32,
+                                    kv_events_config=parse_kv_events_config(_events_config(subscriber))))
+    try:
+        layout = engine.kv_layout
+        assert layout.num_groups > 1
+        _run_workload(engine)
+        publisher = engine.kv_events.publisher
+        got = subscriber.ask(op="collect", until_seq=publisher.num_batches - 1, replay=publisher.replay_endpoint)
+        assert got["errors"] == [] and got["mismatched_reencodes"] == 0
+        assert got["groups"] == {str(g): [grp.kind, grp.sliding_window] for g, grp in enumerate(layout.groups)}
+        assert got["state"] == {"GPU": _cached_hashes(engine, as_int=True)}
+        assert any(h.startswith("g1:") for h in got["state"]["GPU"])
+    finally:
+        engine.close()

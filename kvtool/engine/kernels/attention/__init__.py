@@ -101,7 +101,7 @@ def attend(
     `kv_stored`: the caller already wrote k/v into the pages at the step's slots (the CUDA rope
     kernel does), after calling the layer's `before_layer` hook itself. `window`: the layer's
     sliding window (None: full attention); `softcap`: its score cap (None: none)."""
-    meta = current_metadata()
+    meta = current_metadata().for_layer(layer)
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     if meta.device_batch is not None:
@@ -126,7 +126,7 @@ def attend_rows(
     (unless `kv_stored`, as for `attend`), attends for `rows` alone. On CPU (float32 pages)
     returns [S rounded up to ROW_MULTIPLE, Hq * D], zero past S; on CUDA [S, Hq * D], where
     `rows` must be the step's sample rows (the rows of its `DeviceBatch.sampled`)."""
-    meta = current_metadata()
+    meta = current_metadata().for_layer(layer)
     if meta.hooks is not None and not kv_stored:
         meta.hooks.before_layer(layer)
     db = meta.device_batch

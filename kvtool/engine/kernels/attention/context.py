@@ -124,6 +124,16 @@ class AttentionMetadata:
     # set by the runner (prefill rows; every step of a batch-invariant engine), read by the CUDA
     # fused forwards. The reference and CPU products ignore it (their rows are invariant anyway).
     row_invariant: bool = False
+    # A multi-group KV cache (`kv.groups`): each group's metadata (its seqs' block tables and
+    # the step's slots in its blocks) and the group of each layer; None with one group.
+    group_metas: list[AttentionMetadata] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata `layer` attends with: its KV cache group's."""
+        if self.group_metas is None:
+            return self
+        return self.group_metas[self.layer_group[layer]]
 
 
 _current: AttentionMetadata | None = None
