@@ -54,7 +54,7 @@ _ENGINE_OPTIONS: list[tuple[str, object, object]] = [
     ("gpu_memory_utilization", 0.9, Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of device memory for weights + KV (CUDA).")]),
     ("kv_cache_memory", "2G", Annotated[str, typer.Option("--kv-cache-memory", help="Bytes of KV pages on CPU (vLLM suffixes: 512M = 512 MiB, 2G = 2 GiB, 500m = 500 MB).")]),
     ("enable_prefix_caching", True, Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV of shared prompt prefixes.")]),
-    ("disable_hybrid_kv_cache_manager", False, Annotated[bool, typer.Option("--disable-hybrid-kv-cache-manager", help="One KV cache group for every layer of a model with sliding-window and global layers (windows as masks over a cache that keeps every token), as vLLM's flag.")]),
+    ("disable_hybrid_kv_cache_manager", None, Annotated[Optional[bool], typer.Option("--disable-hybrid-kv-cache-manager/--no-disable-hybrid-kv-cache-manager", help="KV cache groups, as vLLM's flag: on, one group for every layer of a model with sliding-window and global layers (windows as masks over a cache that keeps every token); off, a group per kind of layer, refused where kvtool cannot (CUDA, a KV connector); unset, groups where it can.")]),
     ("max_num_batched_tokens", 2048, Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one engine step (chunked prefill).")]),
     ("max_num_seqs", 256, Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]),
     ("enforce_eager", False, Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: run every decode step eagerly.")]),

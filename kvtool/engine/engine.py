@@ -98,14 +98,14 @@ class LLMEngine:
         self.identity = None
         if connector_cls is not None:
             self.identity = engine_identity(params, self.model_dir, self.dtype, self.device.type)
+        # The KV cache groups (the workers form the same from the same parameters).
+        self.kv_layout = kv_cache_layout(params, cfg, self.max_model_len, self.device)
         # The model, its KV pages and the connector's worker half live in the executor's workers
         # (here, or one process per rank); this process keeps the scheduler and the scheduler half.
         self.executor: Executor = build_executor(params, self.model_dir, self.device, self.dtype, self.max_model_len,
                                                  self.identity, self.none_hash)
         self.structured = StructuredOutputs(self.tokenizer.backend.to_str, cfg.vocab_size, list(cfg.eos_token_ids))
         self.scheduler: Scheduler | None = None
-        # The KV cache groups (the workers form the same from the same parameters).
-        self.kv_layout = kv_cache_layout(params, cfg, self.max_model_len, self.device)
         try:
             available = self.executor.determine_available_memory()
             self.num_blocks = num_kv_blocks(params, cfg, self.kv_dtype, self.max_model_len, available, self.kv_layout)

@@ -55,10 +55,10 @@ class EngineParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Bytes of KV pages on CPU.
     kv_cache_memory: int = 2 << 30
     enable_prefix_caching: bool = True
-    # vLLM's --disable-hybrid-kv-cache-manager: one full-attention KV cache group for every layer
-    # of a model with sliding-window and global layers (the windows then apply as masks), instead
-    # of a group per kind (`kv.groups`).
-    disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's --disable-hybrid-kv-cache-manager / --no-disable-hybrid-kv-cache-manager: True, one
+    # full-attention KV cache group for every layer (windows as masks); False, a group per kind of
+    # layer (`kv.groups`), refused where the engine cannot; None, groups where it can.
+    disable_hybrid_kv_cache_manager: bool | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None

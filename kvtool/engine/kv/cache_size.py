@@ -31,14 +31,36 @@ def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) ->
 def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: torch.device) -> KVCacheLayout:
     """The engine's KV cache groups (`kv.groups`): a group per kind of layer where the layers'
     windows differ or bind, as vLLM's hybrid KV cache manager forms them; one full-attention
-    group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager, with a KV
-    connector (whose transfers move one group's blocks), and on CUDA (whose kernels and graphs
-    take one block table)."""
+    group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager and where the
+    engine cannot keep groups (`hybrid_unsupported`). --no-disable-hybrid-kv-cache-manager there
+    is refused in one line, as vLLM refuses it."""
     windows = layer_windows(config, max_model_len)
-    connector = params.kv_transfer_config is not None and params.kv_transfer_config.kv_connector is not None
-    if params.disable_hybrid_kv_cache_manager or connector or device.type == "cuda":
+    flag = params.disable_hybrid_kv_cache_manager
+    if flag:
+        return single_group(config.num_layers)
+    reason = hybrid_unsupported(params, device, grouped=len(set(windows)) > 1 or windows[0] is not None)
+    if reason is not None:
+        if flag is False:
+            raise ConfigError(f"--no-disable-hybrid-kv-cache-manager: {reason}")
         return single_group(config.num_layers)
     return plan_layout(windows)
+
+
+def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool) -> str | None:
+    """Why the engine keeps one KV cache group, or None. As vLLM 0.33: a connector without
+    hybrid support (LMCache's), whatever the model. kvtool's own limits so far, for a model
+    whose layers would form groups (`grouped`): the OffloadingConnector (vLLM's supports groups;
+    kvtool's transfers move one group's blocks) and CUDA (its kernels and graphs take one block
+    table)."""
+    ktc = params.kv_transfer_config
+    name = ktc.kv_connector if ktc is not None else None
+    if name in ("LMCacheConnector", "LMCacheConnectorV1"):
+        return f"{name} does not support the hybrid KV cache manager (as in vLLM)"
+    if grouped and name is not None:
+        return f"{name} moves the blocks of one KV cache group in kvtool so far"
+    if grouped and device.type == "cuda":
+        return "the CUDA attention kernels take one KV cache group's block table in kvtool so far"
+    return None
 
 
 def bytes_per_block(geometry: KVGeometry, layout: KVCacheLayout) -> int:

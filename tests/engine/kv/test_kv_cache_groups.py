@@ -270,3 +270,26 @@ def test_groups_under_preemption_async_scheduling_and_two_ranks(model_dir):
                 for la, lb in zip(a.logprobs, b.logprobs):
                     assert la.keys() == lb.keys()
                     assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+def test_the_flag_is_vllms_three_way_switch(model_dir, run_kvtool):
+    """Unset: groups where the engine can; --disable-hybrid-kv-cache-manager: one group;
+    --no-disable-hybrid-kv-cache-manager where the engine cannot keep groups: one line and a
+    non-zero exit, as vLLM refuses it (LMCache's connector there, whatever the model)."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.errors import ConfigError
+
+    engine = _engine(model_dir, disable_hybrid_kv_cache_manager=False)
+    try:
+        assert engine.kv_layout.hybrid
+    finally:
+        engine.close()
+    lm = parse_kv_transfer_config('{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both",'
+                                  '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1"}}')
+    with pytest.raises(ConfigError, match="LMCacheConnectorV1 does not support the hybrid KV cache manager"):
+        _engine(model_dir, disable_hybrid_kv_cache_manager=False, kv_transfer_config=lm)
+    code, out, err = run_kvtool(["generate", "--model", str(model_dir), "--device", "cpu",
+                                 "--no-disable-hybrid-kv-cache-manager", "--kv-transfer-config",
+                                 '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}', "--prompt", "hello"])
+    assert code != 0 and "Traceback" not in err
+    assert "--no-disable-hybrid-kv-cache-manager: OffloadingConnector moves the blocks" in err
