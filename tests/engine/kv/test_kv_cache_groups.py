@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
 from kvtool.peer.env import peer_env
 from tests.support.peer_server import require_peer_python
+
+PEER_HITS = Path(__file__).resolve().parents[2] / "support" / "peer_vllm_hits.py"
 
 BS = 16
 WINDOW = 32
@@ -106,7 +109,7 @@ def _tables(num_blocks: int = 64, windows=(None, 3 * BS)) -> GroupTables:
     return GroupTables(BlockPool(num_blocks, True, null_block=True), layout, BS)
 
 
-HASHES = [bytes([i]) * 32 for i in range(12)]
+HASHES = [bytes([i]) * 32 for i in range(16)]
 
 
 def test_a_sliding_group_frees_what_falls_behind_its_window():
@@ -146,6 +149,43 @@ def test_a_hit_needs_the_full_prefix_and_the_window_before_it():
     t.pool.check_integrity()
 
 
+@pytest.mark.peer
+def test_hits_equal_vllms_coordinator_on_random_caches():
+    """vLLM 0.33's `find_longest_cache_hit` (its hybrid coordinator, in the peer environment)
+    and kvtool's `find_hit` give the same hit length and the same blocks for every group, over
+    random sets of cached blocks per group: full attention with one window, one window alone,
+    two windows with full attention."""
+    import random
+
+    rng = random.Random(11)
+    kinds = [(None, 3 * BS), (2 * BS + 1,), (None, 5 * BS, 2 * BS), (None, None, BS + 1)]
+    cases = []
+    for n in range(120):
+        windows = kinds[n % len(kinds)]
+        num_hashes = rng.randint(1, 14)
+        density = rng.choice((0.5, 0.8, 0.95))
+        cached = [sorted(i for i in range(num_hashes) if rng.random() < density) for _ in windows]
+        cases.append({"windows": list(windows), "num_blocks": 64 * len(windows), "num_hashes": num_hashes,
+                      "cached": cached, "max_length": rng.randint(0, num_hashes)})
+    got = subprocess.run([str(require_peer_python()), str(PEER_HITS)], input=json.dumps({"block_size": BS, "cases": cases}),
+                         capture_output=True, text=True, env=peer_env(), timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    vllm = json.loads(got.stdout.strip().splitlines()[-1])
+    for case, theirs in zip(cases, vllm, strict=True):
+        windows = case["windows"]
+        t = _tables(num_blocks=64 * len(windows) + 1, windows=windows)
+        index_of = {}
+        for g, cached in enumerate(case["cached"]):
+            for i in cached:
+                (b,) = t.pool.allocate(1)
+                t.pool.cache_blocks([b], [HASHES[i]], 0, 1, g)
+                index_of[b] = i
+        t.pool.free(list(index_of))
+        tables, length = t.find_hit(HASHES[: case["num_hashes"]], case["max_length"])
+        ours = [[-1 if b == NULL_BLOCK else index_of[b] for b in table] for table in tables]
+        assert {"length": length, "tables": ours} == theirs, case
+
+
 # ---- the engine -------------------------------------------------------------------------------------
 
 
@@ -175,6 +215,9 @@ def test_hybrid_groups_give_the_unified_caches_bits(model_dir):
     unified = _engine(model_dir, disable_hybrid_kv_cache_manager=True)
     try:
         assert hybrid.kv_layout.hybrid and unified.kv_layout.num_groups == 1
+        # The same --kv-cache-memory holds L / slots times the blocks: a block holds one group's layers.
+        slots, layers = hybrid.kv_layout.num_slots, hybrid.kv_layout.num_layers
+        assert abs(hybrid.num_blocks * slots - unified.num_blocks * layers) < layers
         h_first, h_again = _run(hybrid)
         u_first, u_again = _run(unified)
         hybrid.check_integrity()
