@@ -99,6 +99,10 @@ class GroupTables:
         pool = self.pool
         if not pool.enable_prefix_caching or max_blocks <= 0:
             return self.empty(), 0
+        # Full attention is downward-closed: each full group's longest cached prefix, looked up once.
+        full = {g: pool.find_cached_prefix(block_hashes[:max_blocks], g)
+                for g, w in enumerate(self.windows) if w is None}
+        full_len = min((len(t) for t in full.values()), default=max_blocks)
 
         def cached(i: int, groups: list[int]) -> list[int] | None:
             out = []
@@ -109,17 +113,13 @@ class GroupTables:
                 out.append(b)
             return out
 
-        hit = max_blocks
-        found: dict[int, list[int]] = {}  # group -> its table of the hit
+        hit = min(max_blocks, full_len)
+        found: dict[int, list[int]] = {}  # sliding group -> its table of the hit
         while True:
             cur = hit
             for window, groups in self.kinds:
                 if window is None:
-                    n = 0
-                    while n < cur and cached(n, groups) is not None:
-                        n += 1
-                    cur = n
-                    continue
+                    continue  # full_len bounds every candidate already
                 need = -(-(window - 1) // self.block_size)
                 run: list[list[int]] = []  # blocks of the run, from the right
                 end = 0
@@ -141,12 +141,7 @@ class GroupTables:
             if cur >= hit:
                 break
             hit = cur
-        tables = []
-        for gi, w in enumerate(self.windows):
-            if w is None:
-                tables.append([pool.cached_block(block_hashes[i], gi) for i in range(hit)])
-            else:
-                tables.append(found[gi][:hit])
+        tables = [full[g][:hit] if w is None else found[g][:hit] for g, w in enumerate(self.windows)]
         return tables, hit
 
     def num_free_hits(self, tables: Sequence[list[int]]) -> int:
