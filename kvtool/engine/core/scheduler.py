@@ -74,6 +74,7 @@ class Scheduler:
             raise ValueError("a KV connector moves the blocks of one full-attention KV cache group")
         self.pool = BlockPool(num_blocks, enable_prefix_caching, null_block=self.layout.hybrid)
         self.tables = GroupTables(self.pool, self.layout, block_size)
+        self.frees_behind_window = self.layout.hybrid  # a sliding-window group frees blocks
         # Block hashes are needed for the prefix cache and for connectors' keys (None: no hashes).
         needs_block_hashes = enable_prefix_caching or connector is not None
         self.hash_memo = BlockHashMemo(block_size, none_hash) if needs_block_hashes else None
@@ -349,7 +350,7 @@ class Scheduler:
                     outputs.append(out)
                 continue
             self._cache_full_blocks(req, s.start + s.num_tokens)
-            if self.layout.hybrid:
+            if self.frees_behind_window:
                 self.tables.free_skipped(req.group_block_ids, s.start + s.num_tokens)
             if not s.sample:
                 continue

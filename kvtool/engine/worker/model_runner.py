@@ -228,7 +228,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
-        if self.backend == "cuda" and kv_pages.layout.num_groups > 1:
+        layout = kv_pages.layout
+        # Each KV cache group's window where its blocks behind it are freed (None: kept), and
+        # each layer's group.
+        self._group_windows = [g.sliding_window if layout.hybrid else None for g in layout.groups]
+        self._layer_group = layout.layer_group
+        if self.backend == "cuda" and layout.num_groups > 1:
             raise ValueError("the CUDA attention backend takes one KV cache group's block table")
         if fast_paths.kernels == "triton" and self.backend != "cuda":
             raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
@@ -377,8 +382,7 @@ class ModelRunner:
 
     def _forward_and_sample(self, so: SchedulerOutput) -> SampledTokens | None:
         bs = self.block_size
-        layout = self.kv_pages.layout
-        windows = [g.sliding_window if layout.hybrid else None for g in layout.groups]
+        windows = self._group_windows
         input_ids: list[int] = []
         positions: list[int] = []
         # Per KV cache group: the page block of each new token, and each sequence's table.
@@ -418,7 +422,7 @@ class ModelRunner:
         ]
         meta = metas[0]
         if len(metas) > 1:
-            meta = replace(metas[0], group_metas=metas, layer_group=layout.layer_group)
+            meta = replace(metas[0], group_metas=metas, layer_group=self._layer_group)
         self._order_page_writes(np.asarray([b for blocks in slot_blocks for b in blocks], dtype=np.int64))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         # On CPU the model computes the last layer (past storing every row's K/V) and the final
