@@ -31,19 +31,21 @@ def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) ->
 def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: torch.device) -> KVCacheLayout:
     """The engine's KV cache groups (`kv.groups`): a group per kind of layer where the layers'
     windows differ or bind, as vLLM's hybrid KV cache manager forms them; one full-attention
-    group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager and where the
-    engine cannot keep groups (`hybrid_unsupported`). --no-disable-hybrid-kv-cache-manager there
-    is refused in one line, as vLLM refuses it."""
+    group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager where sliding
+    and global layers mix (a model whose layers all share one window keeps its window group, as
+    in vLLM), and wherever the engine cannot free blocks behind a window (`hybrid_unsupported`).
+    --no-disable-hybrid-kv-cache-manager there is refused in one line, as vLLM refuses it."""
     windows = layer_windows(config, max_model_len)
     flag = params.disable_hybrid_kv_cache_manager
-    if flag:
-        return single_group(config.num_layers)
     reason = hybrid_unsupported(params, device, grouped=len(set(windows)) > 1 or windows[0] is not None)
-    if reason is not None:
-        if flag is False:
-            raise ConfigError(f"--no-disable-hybrid-kv-cache-manager: {reason}")
+    if flag is False and reason is not None:
+        raise ConfigError(f"--no-disable-hybrid-kv-cache-manager: {reason}")
+    # vLLM's unified layout (the flag): full attention where sliding and global layers mix; a
+    # model whose layers all attend within one window keeps its window group.
+    layout = plan_layout(windows, hybrid=not flag)
+    if layout.hybrid and reason is not None:
         return single_group(config.num_layers)
-    return plan_layout(windows)
+    return layout
 
 
 def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool) -> str | None:

@@ -1,9 +1,9 @@
 """KV cache groups (`kv.groups`, `core.kv_blocks`): vLLM's grouping, per-group tables over one
 pool, sliding-window groups that free what falls behind the window, and per-group prefix hits.
 
-The engine runs Gemma 2, Gemma 3 and a windowed Mistral with a group per kind of layer; the same
-engine with --disable-hybrid-kv-cache-manager keeps one table for every layer and every token.
-Both give the same tokens and logprobs bit for bit (the CPU kernels give a row the same bits
+The engine runs Gemma 2, Gemma 3 and a windowed Mistral with KV cache groups; a cache that keeps
+one table for every layer and every token (vLLM's unified layout for Gemma, the OffloadingConnector's
+layout for the Mistral) gives the same tokens and logprobs bit for bit (the CPU kernels give a row the same bits
 whatever the masked keys hold), with chunked prefill and prefix hits, while the hybrid engine
 holds a window's worth of blocks for each local group.
 """
@@ -20,7 +20,7 @@ import torch
 from kvtool.engine.core.block_pool import NULL_BLOCK, BlockPool
 from kvtool.engine.core.kv_blocks import GroupTables
 from kvtool.engine.engine import LLMEngine
-from kvtool.engine.kv.groups import KVCacheGroup, KVCacheLayout, plan_layout
+from kvtool.engine.kv.groups import KVCacheGroup, KVCacheLayout, plan_layout, single_group
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
 from kvtool.peer.env import peer_env
@@ -211,10 +211,21 @@ def _run(engine: LLMEngine) -> tuple[list, list]:
 
 
 def test_hybrid_groups_give_the_unified_caches_bits(model_dir):
+    """Against a cache that keeps every token in one full-attention group: vLLM's unified layout
+    (the flag) for Gemma; for the windowed Mistral, whose one window group the flag keeps, the
+    layout an OffloadingConnector runs on (one full group)."""
     hybrid = _engine(model_dir)
     unified = _engine(model_dir, disable_hybrid_kv_cache_manager=True)
+    if unified.kv_layout.hybrid:
+        unified.close()
+        ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"num_cpu_blocks": 64}})
+        from kvtool.engine.connectors.config import parse_kv_transfer_config
+
+        unified = _engine(model_dir, kv_transfer_config=parse_kv_transfer_config(ktc))
     try:
-        assert hybrid.kv_layout.hybrid and unified.kv_layout.num_groups == 1
+        assert hybrid.kv_layout.hybrid
+        assert unified.kv_layout == single_group(hybrid.kv_layout.num_layers)
         # The same --kv-cache-memory holds L / slots times the blocks: a block holds one group's layers.
         slots, layers = hybrid.kv_layout.num_slots, hybrid.kv_layout.num_layers
         assert abs(hybrid.num_blocks * slots - unified.num_blocks * layers) < layers
@@ -325,6 +336,13 @@ def test_the_flag_is_vllms_three_way_switch(model_dir, run_kvtool):
     engine = _engine(model_dir, disable_hybrid_kv_cache_manager=False)
     try:
         assert engine.kv_layout.hybrid
+        all_local = engine.kv_layout.num_groups == 1
+    finally:
+        engine.close()
+    # vLLM's unified layout keeps the window group of a model whose layers all share one window.
+    engine = _engine(model_dir, disable_hybrid_kv_cache_manager=True)
+    try:
+        assert engine.kv_layout.num_groups == 1 and engine.kv_layout.hybrid == all_local
     finally:
         engine.close()
     lm = parse_kv_transfer_config('{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both",'
