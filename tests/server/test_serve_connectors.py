@@ -104,3 +104,27 @@ def test_a_restarted_server_loads_the_prefix_from_disk(kv_cache_dtype, tmp_path)
     assert m["kvtool:connector_loaded_tokens_total"] == 288
     assert m["kvtool:connector_loaded_from_disk_tokens_total"] >= 288  # a new process: its CPU tier was empty
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_gemma_served_with_kv_cache_groups_hits_its_prefix_cache(tmp_path):
+    """Gemma 3 served without a connector runs KV cache groups: a repeated prompt is served from
+    the prefix cache of every group (its local layers' window included), the text equals a server
+    with one group (--disable-hybrid-kv-cache-manager), and /metrics counts the hit and an empty
+    cache once the requests are done (the null block is not counted)."""
+    from kvtool.engine.presets.catalog import create_model_dir
+
+    model = tmp_path / "tiny-gemma3"
+    create_model_dir(model, preset="tiny-gemma3", seed=4)
+    base = ["--model", str(model), "--device", "cpu", "--kv-cache-memory", "64M"]
+    with ServerProcess([*base, "--disable-hybrid-kv-cache-manager"]) as srv:
+        ref = complete(openai.OpenAI(base_url=srv.base_url, api_key="x"), str(model))
+    with ServerProcess(base) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="x")
+        first = complete(client, str(model))
+        second = complete(client, str(model))
+        m = srv.metrics()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 288  # whole blocks before the last token
+    assert m["vllm:prefix_cache_hits_total"] == 288
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    assert first.choices[0].text == second.choices[0].text == ref.choices[0].text
