@@ -330,6 +330,7 @@ def qkv_norm_rope(
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     pages: torch.Tensor | None = None, layer: int = 0, slots: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, gemma_norm: bool = False,
+    page_slot: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (Hq + 2 Hkv) * D], normalise q/k per head when weights are given (RMSNorm as
     `rms_norm`, or with `gemma_norm` as `gemma_rms_norm`), rotate them by cos/sin [T, D]. Returns
@@ -337,7 +338,8 @@ def qkv_norm_rope(
 
     With `pages` ([NB, 2, L, bs, Hkv, D], dense within a block's token rows) and `slots` [T]
     (flat slots, a strided view is fine; negative: skip), k and v are also written into layer `layer`'s pages
-    (fp8 pages: quantised with the layer's scales of k_scale / v_scale, [L] float32)."""
+    (fp8 pages: quantised with the layer's scales of k_scale / v_scale, [L] float32); in slot
+    `page_slot` of a block under a KV cache group layout (`kv.groups`; default: `layer`)."""
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -358,7 +360,7 @@ def qkv_norm_rope(
         _qkv_norm_rope_kernel[(t,)](
             qkv, qkv.stride(0), q, k, v, cos, sin, cos.stride(0),
             q_weight if has_norm else qkv, k_weight if has_norm else qkv, eps,
-            pages if to_pages else qkv, layer * pages.stride(2) if to_pages else 0,
+            pages if to_pages else qkv, (layer if page_slot is None else page_slot) * pages.stride(2) if to_pages else 0,
             pages.stride(0) if to_pages else 0, pages.stride(1) if to_pages else 0,
             slots if to_pages else qkv, slots.stride(0) if to_pages else 0, ks, vs, layer,
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
@@ -454,6 +456,7 @@ def rotate_qkv(
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.eps if q_norm is not None else 0.0, pages=pages, layer=attn.layer_idx, slots=slots,
         k_scale=k_scale, v_scale=v_scale, gemma_norm=isinstance(q_norm, GemmaRMSNorm),
+        page_slot=kv_pages.slot_of[attn.layer_idx] if kv_pages is not None else None,
     )
 
 

@@ -42,12 +42,13 @@ def cuda_attention(
     db = meta.device_batch if batch is None else batch
     kv = meta.kv_pages
     pages = kv.tensor
-    scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
+    # The layer's scales; its K/V in its slot of a block (the layer itself with one KV cache group).
+    layer_kv = {"k_scale": kv.k_scale, "v_scale": kv.v_scale, "page_slot": kv.slot_of[layer]}
     if not kv_stored:
         if kv.scales_pending:  # --calculate-kv-scales: from this step's tokens (eager: the first step is a prefill)
             real = db.slot_mapping[: k.shape[0]] >= 0
             kv.calculate_scales(layer, k[real], v[real])
-        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping, **scales)
+        triton_ops.store_kv(pages, layer, k, v, db.slot_mapping, **layer_kv)
     nd = db.num_decode
     p = db.prefill
     if out is None:
@@ -55,17 +56,17 @@ def cuda_attention(
     if nd and db.tile_base is not None:
         paged_decode_tiles(
             q[:nd], pages, layer, db.block_table, db.context_lens, db.tile_base, db.num_tiles, scale,
-            db.num_splits, out[:nd], db.decode_order, window, softcap=softcap, **scales,
+            db.num_splits, out[:nd], db.decode_order, window, softcap=softcap, **layer_kv,
         )
     elif nd:
         triton_ops.paged_decode(
             q[:nd], pages, layer, db.block_table, db.context_lens, scale, db.num_splits, out[:nd], db.decode_order,
-            window, softcap=softcap, **scales,
+            window, softcap=softcap, **layer_kv,
         )
     if p is not None:
         if p.key_slots is not None or kv.quantized:
             slots = p.key_slots if p.key_slots is not None else db.slot_mapping[p.q_start :]
-            kk, vv = triton_ops.gather_kv(pages, layer, slots, q.dtype, **scales)
+            kk, vv = triton_ops.gather_kv(pages, layer, slots, q.dtype, **layer_kv)
         else:
             kk, vv = k[p.q_start :], v[p.q_start :]
         prefill_attention(q[p.q_start :], kk, vv, p.cu_q, p.cu_k, p.max_q, scale, out[p.q_start :], window, softcap)

@@ -217,6 +217,11 @@ def _decode_combine_kernel(
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
+def _slot(layer: int, page_slot: int | None) -> int:
+    """Where a layer's K/V sit in a block: its slot in a KV cache group layout, else the layer."""
+    return layer if page_slot is None else page_slot
+
+
 def _check_pages(pages: torch.Tensor) -> tuple[int, int, int, int]:
     """(block_size, heads, head_dim, layer stride) of pages [NB, 2, L, bs, H, D], checked dense inside a token."""
     _, _, _, bs, h, d = pages.shape
@@ -240,9 +245,12 @@ def page_scales(
 
 
 def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             page_slot: int | None = None) -> None:
     """Write k, v [T, H, D] of one layer at flat slots [T] (negative: skipped); into fp8 pages
-    quantised with the layer's scales of k_scale / v_scale ([L] float32, required there)."""
+    quantised with the layer's scales of k_scale / v_scale ([L] float32, required there).
+    `page_slot`: the layer's slot in a block of a KV cache group layout (`kv.groups`; default:
+    the layer itself); the scales stay the layer's."""
     bs, h, d, stride_l = _check_pages(pages)
     ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     t = k.shape[0]
@@ -257,7 +265,7 @@ def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
     hd = h * d
     _store_kv_kernel[(t,)](
         k, v, k.stride(0), v.stride(0),
-        pages, layer * stride_l, pages.stride(0), pages.stride(1),
+        pages, _slot(layer, page_slot) * stride_l, pages.stride(0), pages.stride(1),
         slots, slots.stride(0), ks, vs, layer,
         BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd), KV_FP8=fp8_max is not None,
         FP8_MAX=fp8_max or 0.0,
@@ -266,11 +274,11 @@ def store_kv(pages: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
 
 def gather_kv(
     pages: torch.Tensor, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None, *,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, page_slot: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one layer at flat slots [N] (contiguous int), as `dtype` (default: the pages'; fp8
     pages need it, and their values come back dequantised with the layer's scales of k_scale /
-    v_scale, [L] float32). Returns ([N, H, D], [N, H, D])."""
+    v_scale, [L] float32). `page_slot` as for `store_kv`. Returns ([N, H, D], [N, H, D])."""
     bs, h, d, stride_l = _check_pages(pages)
     ks, vs, fp8_max = page_scales(pages, k_scale, v_scale)
     if dtype is None:
@@ -283,7 +291,7 @@ def gather_kv(
     if n:
         hd = h * d
         _gather_kv_kernel[(n,)](
-            pages, layer * stride_l, pages.stride(0), pages.stride(1), slots, k, v, ks, vs, layer,
+            pages, _slot(layer, page_slot) * stride_l, pages.stride(0), pages.stride(1), slots, k, v, ks, vs, layer,
             BLOCK_SIZE=bs, HD=hd, HD_PAD=triton.next_power_of_2(hd), KV_FP8=fp8_max is not None,
         )
     return k, v
@@ -320,9 +328,11 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,
+    page_slot: int | None = None,
 ) -> None:
     """Attention of one query token per sequence over its pages (its last `window` keys when
-    given; its scores soft-capped at `softcap` when given); writes out.
+    given; its scores soft-capped at `softcap` when given); writes out. `page_slot` as for
+    `store_kv`.
 
     q [B, Hq, D]; block_table [B, W] int (strided views allowed); context_lens [B] int (0 gives
     a zero row); out [B, Hq, D] in q's dtype. num_splits is fixed by the caller (a captured graph
@@ -347,8 +357,8 @@ def paged_decode(
     block_n, num_warps, num_stages = decode_launch(d)
     _decode_split_kernel[(hkv, b, num_splits)](
         q, q.stride(0), q.stride(1),
-        pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
-        block_table, block_table.stride(0), block_table.stride(1),
+        pages, _slot(layer, page_slot) * stride_l, pages.stride(0), pages.stride(1), pages.stride(3),
+        pages.stride(4), block_table, block_table.stride(0), block_table.stride(1),
         context_lens, context_lens.stride(0),
         out, out.stride(0), out.stride(1),
         mid_o, mid_lse,

@@ -156,9 +156,11 @@ def paged_decode_tiles(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,
+    page_slot: int | None = None,
 ) -> None:
     """`triton_ops.paged_decode` with each row's bits independent of the batch (over the last
-    `window` keys when given; scores soft-capped at `softcap` when given).
+    `window` keys when given; scores soft-capped at `softcap` when given; `page_slot` as for
+    `triton_ops.store_kv`).
 
     tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
     batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
@@ -178,7 +180,8 @@ def paged_decode_tiles(
     block_n, num_warps, num_stages = decode_launch(d)
     _tile_partials_kernel[(hkv, b, num_programs)](
         q, q.stride(0), q.stride(1),
-        pages, layer * stride_l, pages.stride(0), pages.stride(1), pages.stride(3), pages.stride(4),
+        pages, (layer if page_slot is None else page_slot) * stride_l, pages.stride(0), pages.stride(1),
+        pages.stride(3), pages.stride(4),
         block_table, block_table.stride(0), block_table.stride(1),
         context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
         mid_o, mid_lse, order,
