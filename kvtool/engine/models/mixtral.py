@@ -2,8 +2,8 @@
 block (`moe.SparseMoeBlock`) stored as `block_sparse_moe`: router `gate`, experts `experts.N`
 with w1 (gate), w3 (up) and w2 (down).
 
-Its configs carry `sliding_window: null` (full attention); a window is refused as Mistral's is,
-unless --max-model-len is at most the window (engine.py).
+Its configs carry `sliding_window: null` (full attention); a config with a window attends and
+caches as Mistral's does.
 """
 
 from __future__ import annotations
