@@ -30,7 +30,6 @@ class GroupTables:
 
     def __init__(self, pool: BlockPool, layout: KVCacheLayout, block_size: int) -> None:
         self.pool = pool
-        self.layout = layout
         self.block_size = block_size
         self.windows = [g.sliding_window for g in layout.groups]
         # The kinds of group, full attention first (vLLM's order): (window, group indices).
@@ -38,10 +37,6 @@ class GroupTables:
         for gi, w in enumerate(self.windows):
             kinds.setdefault(w, []).append(gi)
         self.kinds = sorted(kinds.items(), key=lambda kv: kv[0] is not None)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
 
     def empty(self) -> list[list[int]]:
         return [[] for _ in self.windows]

@@ -69,12 +69,12 @@ class Scheduler:
         self.structured_outputs = structured_outputs
         # One block pool for every KV cache group (`kv.groups`; the scheduler reads only their
         # windows); one table per group for each request.
-        self.layout = layout if layout is not None else single_group(1)
-        if connector is not None and self.layout.hybrid:
+        layout = layout if layout is not None else single_group(1)
+        if connector is not None and layout.hybrid:
             raise ValueError("a KV connector moves the blocks of one full-attention KV cache group")
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, null_block=self.layout.hybrid)
-        self.tables = GroupTables(self.pool, self.layout, block_size)
-        self.frees_behind_window = self.layout.hybrid  # a sliding-window group frees blocks
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, null_block=layout.hybrid)
+        self.tables = GroupTables(self.pool, layout, block_size)
+        self.frees_behind_window = layout.hybrid  # a sliding-window group frees blocks
         # Block hashes are needed for the prefix cache and for connectors' keys (None: no hashes).
         needs_block_hashes = enable_prefix_caching or connector is not None
         self.hash_memo = BlockHashMemo(block_size, none_hash) if needs_block_hashes else None

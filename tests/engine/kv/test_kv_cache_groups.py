@@ -269,13 +269,9 @@ def test_sliding_groups_hold_a_window_not_the_context(model_dir):
             assert most[g] >= 400 // BS
         else:
             assert 0 < most[g] <= bound, (g, most[g])
-    # Memory per token at this context: the global layers' share plus the local ones' window.
-    slots = layout.num_slots
-    held = sum(m * slots for m in most)
-    assert held < (464 // BS + 1) * layout.num_layers
 
 
-def test_connectors_and_the_flag_keep_one_group(model_dir, tmp_path):
+def test_a_connector_keeps_one_group(model_dir):
     ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"num_cpu_blocks": 64}})
     from kvtool.engine.connectors.config import parse_kv_transfer_config
