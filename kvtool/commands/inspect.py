@@ -9,6 +9,7 @@ Examples:
 """
 
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -55,13 +56,14 @@ def inspect(
     """
     if not root_dir.is_dir():
         raise ConfigError(f"disk tier root {root_dir} does not exist or is not a directory")
-    identity = identity_for_model_dir(Path(engine.model), engine) if engine.model is not None else None
+    identity = identities_for_model_dir(Path(engine.model), engine) if engine.model is not None else None
     code = run_inspect(root_dir, verify=verify, json=json_out, identity=identity)
     if code:
         raise typer.Exit(code)
 
 
-def run_inspect(root_dir: Path, *, verify: bool, json: bool, identity: KVIdentity | None = None) -> int:
+def run_inspect(root_dir: Path, *, verify: bool, json: bool,
+                identity: KVIdentity | Sequence[KVIdentity] | None = None) -> int:
     """Scan, render to stdout, and return the exit status (1: --verify found damage).
 
     Progress goes to stderr and is off with `json`; stdout then carries exactly one JSON
@@ -95,7 +97,24 @@ def identity_for_model_dir(model_dir: Path, engine: EngineParams) -> KVIdentity:
     return disk_identity(identity, settings.offload_block_tokens)
 
 
-def render_report(report: TierReport, identity: KVIdentity | None = None, json: bool = False) -> str | RenderableType:
+def identities_for_model_dir(model_dir: Path, engine: EngineParams) -> list[KVIdentity]:
+    """The identities an engine for `model_dir` with `engine`'s flags would write under: one, or
+    one per KV cache group where its layout has several (the OffloadingConnector's groups, or
+    --disable-hybrid-kv-cache-manager for one)."""
+    from kvtool.engine.connectors.offloading.disk.group_tiers import group_identities
+    from kvtool.engine.kv.cache_size import kv_cache_layout
+    from kvtool.engine.kv.identity import resolve_device
+    from kvtool.engine.models.model_dir import open_model_dir
+
+    identity = identity_for_model_dir(model_dir, engine)
+    config = open_model_dir(model_dir).config
+    max_model_len = engine.max_model_len or config.max_position_embeddings
+    layout = kv_cache_layout(engine, config, max_model_len, resolve_device(engine.device))
+    return group_identities(identity, layout)
+
+
+def render_report(report: TierReport, identity: KVIdentity | Sequence[KVIdentity] | None = None,
+                  json: bool = False) -> str | RenderableType:
     """The report as the JSON document `--json` prints (a str) or as rich tables; no I/O.
 
     With `identity`, loadability verdicts are added (the JSON's `loadability` key; a
@@ -152,8 +171,10 @@ def _summary_table(report: TierReport) -> Table:
     return table
 
 
-def _groups_table(report: TierReport, identity: KVIdentity | None) -> Table:
-    """One column per identity group, one row per header field: each group's fields shown once."""
+def _groups_table(report: TierReport, identity: KVIdentity | Sequence[KVIdentity] | None) -> Table:
+    """One column per identity group, one row per header field: each group's fields shown once
+    (the --model engine's column: each value its KV cache groups' identities hold, once)."""
+    identities = None if identity is None else [identity] if isinstance(identity, KVIdentity) else list(identity)
     verdicts = report.loadability or []  # one per group, in group order
     table = Table(title="identity groups", title_justify="left")
     table.add_column("field", style="bold")
@@ -163,8 +184,8 @@ def _groups_table(report: TierReport, identity: KVIdentity | None) -> Table:
         table.add_column(f"group {i + 1}\n{group.tier_digest}")
     for field in KVIdentity.__struct_fields__:
         row: list[str | Text] = [field]
-        if identity is not None:
-            row.append(str(getattr(identity, field)))
+        if identities is not None:
+            row.append(" | ".join(dict.fromkeys(str(getattr(i, field)) for i in identities)))
         for i, group in enumerate(report.groups):
             value = getattr(group.identity, field)
             differs = bool(verdicts) and any(d.field == field for d in verdicts[i].differences)

@@ -136,7 +136,7 @@ class LLMEngine:
         if connector_cls is not None:
             identity = identity_of_rank(self.identity, params.tensor_parallel_size, 0)
             scheduler_half = connector_cls.create_scheduler_half(
-                ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash))
+                ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash, layout=self.kv_layout))
         return Scheduler(
             num_blocks=num_blocks,
             block_size=params.block_size,

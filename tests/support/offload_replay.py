@@ -51,6 +51,7 @@ class ChunkRequest:
         self.num_prompt_tokens = self.num_tokens = len(labels) * BLOCK_SIZE + 1
         self.num_computed_tokens = 0
         self.block_ids = list(range(len(labels) + 1))
+        self.group_block_ids = [self.block_ids]
         self.cache_salt = None
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:

@@ -35,6 +35,7 @@ import msgspec
 from kvtool.engine.connectors.config import KVTransferConfig
 from kvtool.engine.connectors.steps_in_flight import StepsInFlight
 from kvtool.engine.errors import ConfigError
+from kvtool.engine.kv.groups import KVCacheLayout, single_group
 from kvtool.engine.kv.pages import KVGeometry, KVPages
 from kvtool.engine.core.messages import (
     KVConnectorCompletions,
@@ -115,6 +116,12 @@ class ConnectorContext(msgspec.Struct, frozen=True, kw_only=True):
     config: KVTransferConfig
     identity: EngineIdentity
     none_hash: bytes
+    # The engine's KV cache groups (None: one full-attention group of every layer).
+    layout: KVCacheLayout | None = None
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self.layout if self.layout is not None else single_group(self.identity.geometry.num_layers)
 
 
 class SchedulerHalf(abc.ABC):
@@ -285,6 +292,13 @@ class KVConnector:
     scheduler_half: ClassVar[type[SchedulerHalf]]
     worker_half: ClassVar[type[WorkerHalf] | None] = None
     worker_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    @classmethod
+    def groups_unsupported(cls, config: KVTransferConfig) -> str | None:
+        """Why this connector, so configured, moves one KV cache group only, or None where it
+        stores and loads every group (vLLM's `SupportsHMA`). The engine keeps one group for a
+        connector that gives a reason, as vLLM turns its hybrid manager off for it."""
+        return "does not support the hybrid KV cache manager (as in vLLM)"
 
     @classmethod
     def create_scheduler_half(cls, ctx: ConnectorContext) -> SchedulerHalf:

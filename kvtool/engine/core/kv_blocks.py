@@ -44,16 +44,28 @@ class GroupTables:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks(self, tables: Sequence[list[int]], num_tokens: int) -> int:
-        """Blocks to allocate so every group's table covers `num_tokens` tokens."""
-        n = self.blocks_for(num_tokens)
-        return sum(max(0, n - len(t)) for t in tables)
+    def _skipped(self, window: int | None, num_computed: int) -> int:
+        """Entries of a group's table that no token from `num_computed` on attends."""
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
 
-    def grow(self, tables: Sequence[list[int]], num_tokens: int) -> None:
-        """Append new blocks to every table up to `num_tokens` tokens (can_allocate checked)."""
+    def num_new_blocks(self, tables: Sequence[list[int]], num_tokens: int, num_computed: int = 0) -> int:
+        """Blocks to allocate so every group's table covers `num_tokens` tokens, when the tokens
+        before `num_computed` are computed (or loaded) already."""
         n = self.blocks_for(num_tokens)
-        for t in tables:
+        return sum(max(0, n - max(len(t), min(n, self._skipped(w, num_computed))))
+                   for t, w in zip(tables, self.windows))
+
+    def grow(self, tables: Sequence[list[int]], num_tokens: int, num_computed: int = 0) -> None:
+        """Append new blocks to every table up to `num_tokens` tokens (can_allocate checked). A
+        sliding-window group's new entries that no token from `num_computed` on attends are the
+        null block (vLLM's `allocate_new_blocks`: a request admitted with a connector's hit far
+        past its window gets blocks for the window only)."""
+        n = self.blocks_for(num_tokens)
+        for t, w in zip(tables, self.windows):
             if n > len(t):
+                skip = min(n, self._skipped(w, num_computed))
+                if skip > len(t):
+                    t.extend([NULL_BLOCK] * (skip - len(t)))
                 t.extend(self.pool.allocate(n - len(t)))
 
     def max_blocks(self, num_tokens: int, step_tokens: int) -> int:

@@ -26,7 +26,7 @@ from collections import deque
 
 from kvtool.engine.connectors.base import SchedulerHalf
 from kvtool.engine.core.block_hash_memo import BlockHashMemo
-from kvtool.engine.core.block_pool import BlockPool
+from kvtool.engine.core.block_pool import NULL_BLOCK, BlockPool
 from kvtool.engine.core.hashing import extend_block_hashes
 from kvtool.engine.core.kv_blocks import GroupTables
 from kvtool.engine.errors import KVToolError
@@ -70,8 +70,6 @@ class Scheduler:
         # One block pool for every KV cache group (`kv.groups`; the scheduler reads only their
         # windows); one table per group for each request.
         layout = layout if layout is not None else single_group(1)
-        if connector is not None and layout.hybrid:
-            raise ValueError("a KV connector moves the blocks of one full-attention KV cache group")
         self.pool = BlockPool(num_blocks, enable_prefix_caching, null_block=layout.hybrid)
         self.tables = GroupTables(self.pool, layout, block_size)
         self.frees_behind_window = layout.hybrid  # a sliding-window group frees blocks
@@ -161,7 +159,8 @@ class Scheduler:
                 # bad words, min_tokens) the host-side history its next sample depends on.
                 i += 1
                 continue
-            need = self.tables.num_new_blocks(req.group_block_ids, req.num_computed_tokens + num_new)
+            need = self.tables.num_new_blocks(req.group_block_ids, req.num_computed_tokens + num_new,
+                                              req.num_computed_tokens)
             while not self.pool.can_allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -170,7 +169,7 @@ class Scheduler:
                     break
             if req.request_id in preempted:
                 break
-            self.tables.grow(req.group_block_ids, req.num_computed_tokens + num_new)
+            self.tables.grow(req.group_block_ids, req.num_computed_tokens + num_new, req.num_computed_tokens)
             scheduled.append(self._make_scheduled(req, num_new, new_requests))
             budget -= num_new
             i += 1
@@ -256,14 +255,14 @@ class Scheduler:
             num_ext = max(0, min(matched, req.num_tokens - 1 - num_local))
         num_computed = num_local + num_ext
         num_new = min(req.num_tokens - num_computed, budget)
-        need = self.tables.num_new_blocks(hits, num_computed + num_new)
+        need = self.tables.num_new_blocks(hits, num_computed + num_new, num_computed)
         num_free_hits = self.tables.num_free_hits(hits)
         if not self.pool.can_allocate(need + num_free_hits):
             return None
         for t in hits:
             self.pool.touch(t)
         req.group_block_ids = hits
-        self.tables.grow(hits, num_computed + num_new)
+        self.tables.grow(hits, num_computed + num_new, num_computed)
         self.num_cached_blocks[req.request_id] = num_hit_blocks
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local
@@ -344,8 +343,9 @@ class Scheduler:
             req.has_load_in_flight = False
             if s.sample:
                 req.num_output_placeholders -= 1
-            if invalid and not invalid.isdisjoint(req.block_ids):
-                out = self._handle_invalid_blocks(req, invalid, conn_out)
+            first_bad = self._first_invalid_block(req, invalid) if invalid else None
+            if first_bad is not None:
+                out = self._handle_invalid_blocks(req, first_bad, conn_out)
                 if out is not None:
                     outputs.append(out)
                 continue
@@ -404,30 +404,44 @@ class Scheduler:
             self.tables.cache(req.group_block_ids, req.block_hashes, done, full)
             self.num_cached_blocks[req.request_id] = full
 
+    @staticmethod
+    def _first_invalid_block(req: Request, invalid: set[int]) -> int | None:
+        """The first table entry, over every group, whose block failed to load (None: none did).
+        A load never fills the null block, so it is never among them."""
+        firsts = [next((i for i, b in enumerate(t) if b in invalid), None) for t in req.group_block_ids]
+        return min((i for i in firsts if i is not None), default=None)
+
     def _handle_invalid_blocks(
-        self, req: Request, invalid: set[int], conn_out: KVConnectorOutput | None
+        self, req: Request, first: int, conn_out: KVConnectorOutput | None
     ) -> RequestOutput | None:
         """Apply kv_load_failure_policy to a request whose external KV failed to load this step.
 
         The step's forward ran over those blocks; its sampled token is discarded either way.
         fail: the request ends with an error, and the bad block and every later block of the
         request leave the prefix cache. recompute: num_computed_tokens goes back to the first
-        bad block, and the rest is computed again.
+        bad block, and the rest is computed again; where a sliding-window group holds the null
+        block before the hit's window (entries a recompute from there would write), the request
+        starts over as after a preemption instead (the tier's keys that failed are not matched
+        again, so it recomputes what they held).
         """
-        first = next(i for i, b in enumerate(req.block_ids) if b in invalid)
         self.stats.load_failures += 1
+        for t in req.group_block_ids:
+            self.pool.evict(t[first:])
         if self.kv_load_failure_policy == "fail":
             reasons = conn_out.invalid_reasons if conn_out is not None else {}
-            reason = reasons.get(req.block_ids[first], "external KV failed to load")
-            self.pool.evict(req.block_ids[first:])
+            bad = (b for t in req.group_block_ids for b in t[first:first + 1] if b in reasons)
+            reason = reasons.get(next(bad, None), "external KV failed to load")
             req.error = f"KV load failed for request {req.request_id}: {reason}"
             self._finish(req, RequestStatus.FINISHED_ERROR)
             return self._output(req, [], None)
-        self.pool.evict(req.block_ids[first:])
         recomputed_from = first * self.block_size
-        req.num_computed_tokens = min(req.num_computed_tokens, recomputed_from)
         if req.num_cached_tokens is not None:
             req.num_external_tokens = max(0, min(req.num_external_tokens, recomputed_from - req.num_cached_tokens))
+        if any(b == NULL_BLOCK for t in req.group_block_ids for b in t[first:]) and self.pool.has_null_block:
+            self.running.remove(req)
+            self._preempt(req)
+            return None
+        req.num_computed_tokens = min(req.num_computed_tokens, recomputed_from)
         self.num_cached_blocks[req.request_id] = min(self.num_cached_blocks.get(req.request_id, 0), first)
         return None
 
@@ -471,7 +485,7 @@ class Scheduler:
             if params:
                 req.kv_transfer_params = {**req.kv_transfer_params, **params}
         if keep:
-            self.held_blocks[req.request_id] = req.block_ids
+            self.held_blocks[req.request_id] = [b for t in req.group_block_ids for b in t]
         else:
             self.tables.free(req.group_block_ids)
         req.group_block_ids = [[] for _ in req.group_block_ids]

@@ -106,8 +106,11 @@ class OffloadEventRecorder:
     `OffloadingEventsTracker` does (it remembers them until the removal).
     """
 
-    def __init__(self, as_int: bool | None = None) -> None:
+    def __init__(self, as_int: bool | None = None, group_specs: Sequence[tuple[str, int | None]] = ()) -> None:
         self.as_int = use_int_block_hashes() if as_int is None else as_int
+        # Each KV cache group's (kv_cache_spec_kind, sliding window), which its BlockStored carry
+        # (the group is the offload key's last 4 bytes); none given: group 0, unannotated.
+        self.group_specs = list(group_specs)
         self._hashes: dict[tuple[str, bytes], list[ExternalBlockHash]] = {}
         self._events: list[KVCacheEvent] = []
 
@@ -129,13 +132,17 @@ class OffloadEventRecorder:
         hashes = [external_block_hash(h, self.as_int) for h in block_hashes]
         self._hashes[(medium, key)] = hashes
         parent = external_block_hash(parent_block_hash, self.as_int) if parent_block_hash is not None else None
-        self._events.append(offload_block_stored(medium, hashes, parent, list(token_ids), block_size, extra_keys))
+        event = offload_block_stored(medium, hashes, parent, list(token_ids), block_size, extra_keys,
+                                     group_idx=int.from_bytes(key[-4:], "big"))
+        if event.group_idx < len(self.group_specs):
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = self.group_specs[event.group_idx]
+        self._events.append(event)
 
     def removed(self, medium: str, key: bytes) -> None:
         """Offload block `key` left `medium` (evicted, dropped after a failed check, deleted)."""
         hashes = self._hashes.pop((medium, key), None)
         if hashes is not None:
-            self._events.append(offload_block_removed(medium, hashes))
+            self._events.append(offload_block_removed(medium, hashes, int.from_bytes(key[-4:], "big")))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
@@ -144,20 +151,20 @@ class OffloadEventRecorder:
 
 def offload_block_stored(
     medium: str, block_hashes: list[ExternalBlockHash], parent: ExternalBlockHash | None, token_ids: list[int],
-    block_size: int, extra_keys: list | None = None,
+    block_size: int, extra_keys: list | None = None, group_idx: int = 0,
 ) -> BlockStored:
-    """A tier's BlockStored, shaped as vLLM's offloading connector sends it (group 0, no LoRA)."""
+    """A tier's BlockStored, shaped as vLLM's offloading connector sends it (no LoRA)."""
     if extra_keys is not None and not any(k is not None for k in extra_keys):
         extra_keys = None
     return BlockStored(
         block_hashes=block_hashes, parent_block_hash=parent, token_ids=token_ids, block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None, extra_keys=extra_keys, group_idx=0,
+        lora_id=None, medium=medium, lora_name=None, extra_keys=extra_keys, group_idx=group_idx,
     )
 
 
-def offload_block_removed(medium: str, block_hashes: list[ExternalBlockHash]) -> BlockRemoved:
+def offload_block_removed(medium: str, block_hashes: list[ExternalBlockHash], group_idx: int = 0) -> BlockRemoved:
     """A tier's BlockRemoved for every constituent block hash of one offload block."""
-    return BlockRemoved(block_hashes=block_hashes, medium=medium, group_idx=0)
+    return BlockRemoved(block_hashes=block_hashes, medium=medium, group_idx=group_idx)
 
 
 # ---- the engine's cache ------------------------------------------------------------------------

@@ -49,17 +49,17 @@ def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: to
 
 
 def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool) -> str | None:
-    """Why the engine keeps one KV cache group, or None. As vLLM 0.33: a connector without
-    hybrid support (LMCache's), whatever the model. kvtool's own limits so far, for a model
-    whose layers would form groups (`grouped`): the OffloadingConnector (vLLM's supports groups;
-    kvtool's transfers move one group's blocks) and CUDA (its kernels and graphs take one block
-    table)."""
+    """Why the engine keeps one KV cache group, or None. As vLLM 0.33: a connector that does not
+    move every group (`KVConnector.groups_unsupported`, vLLM's `SupportsHMA`: LMCache's is not,
+    the OffloadingConnector is), whatever the model. kvtool's own limit so far, for a model whose
+    layers would form groups (`grouped`): CUDA (its kernels and graphs take one block table)."""
     ktc = params.kv_transfer_config
-    name = ktc.kv_connector if ktc is not None else None
-    if name in ("LMCacheConnector", "LMCacheConnectorV1"):
-        return f"{name} does not support the hybrid KV cache manager (as in vLLM)"
-    if grouped and name is not None:
-        return f"{name} moves the blocks of one KV cache group in kvtool so far"
+    if ktc is not None and ktc.kv_connector is not None:
+        from kvtool.engine.connectors.registry import resolve_connector
+
+        reason = resolve_connector(ktc).groups_unsupported(ktc)
+        if reason is not None:
+            return f"{ktc.kv_connector} {reason}"
     if grouped and device.type == "cuda":
         return "the CUDA attention kernels take one KV cache group's block table in kvtool so far"
     return None

@@ -196,6 +196,11 @@ class KVPages:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: every layer's K/V of its tokens, or one group's layers (its slots)."""
+        return self.geometry.bytes_per_block // self.geometry.num_layers * self.layout.num_slots
+
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor
     ) -> None:

@@ -72,7 +72,7 @@ class Worker:
         ktc = p.kv_transfer_config
         if self.identity is not None and ktc is not None and ktc.kv_connector is not None:
             identity = identity_of_rank(self.identity, self.tp.size, self.tp.rank)
-            ctx = ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash)
+            ctx = ConnectorContext(config=ktc, identity=identity, none_hash=self.none_hash, layout=self.kv_layout)
             self.connector = resolve_connector(ktc).create_worker_half(ctx)
         # Fused kernels and packed weights free the unfused ones: applied after the pages are
         # sized, so the freed memory is not counted as the model's.

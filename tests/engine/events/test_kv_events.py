@@ -267,7 +267,7 @@ def test_offloading_tiers_announce_what_they_hold(make_engine, subscriber, tmp_p
 
     half = engine.scheduler.connector
     cpu = sorted(ext(key[:-4]) for key in half.slots.keys())
-    disk = sorted(ext(h) for h in half.disk._present)
+    disk = sorted(ext(h) for h in half.disk.indexes[0]._present)
     assert got["errors"] == [] and got["mismatched_reencodes"] == 0
     assert got["counts"]["BlockRemoved"] > 0  # six CPU slots for more blocks: evictions
     assert len(cpu) == 6 and len(disk) > 6

@@ -2,7 +2,7 @@
 pool, sliding-window groups that free what falls behind the window, and per-group prefix hits.
 
 The engine runs Gemma 2, Gemma 3 and a windowed Mistral with KV cache groups; a cache that keeps
-one table for every layer and every token (vLLM's unified layout for Gemma, the OffloadingConnector's
+one table for every layer and every token (vLLM's unified layout for Gemma, a one-group connector's
 layout for the Mistral) gives the same tokens and logprobs bit for bit (the CPU kernels give a row the same bits
 whatever the masked keys hold), with chunked prefill and prefix hits, while the hybrid engine
 holds a window's worth of blocks for each local group.
@@ -213,13 +213,13 @@ def _run(engine: LLMEngine) -> tuple[list, list]:
 def test_hybrid_groups_give_the_unified_caches_bits(model_dir):
     """Against a cache that keeps every token in one full-attention group: vLLM's unified layout
     (the flag) for Gemma; for the windowed Mistral, whose one window group the flag keeps, the
-    layout an OffloadingConnector runs on (one full group)."""
+    layout of a connector that moves one group (a test connector's)."""
     hybrid = _engine(model_dir)
     unified = _engine(model_dir, disable_hybrid_kv_cache_manager=True)
     if unified.kv_layout.hybrid:
         unified.close()
-        ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"num_cpu_blocks": 64}})
+        ktc = json.dumps({"kv_connector": "DictConnector", "kv_role": "kv_both",
+                          "kv_connector_module_path": "tests.support.connectors.dict_connector"})
         from kvtool.engine.connectors.config import parse_kv_transfer_config
 
         unified = _engine(model_dir, kv_transfer_config=parse_kv_transfer_config(ktc))
@@ -271,14 +271,32 @@ def test_sliding_groups_hold_a_window_not_the_context(model_dir):
             assert 0 < most[g] <= bound, (g, most[g])
 
 
-def test_a_connector_keeps_one_group(model_dir):
-    ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"num_cpu_blocks": 64}})
+def test_a_connector_that_moves_one_group_keeps_one_group(model_dir):
+    """As vLLM turns its hybrid manager off for a connector that is not SupportsHMA: one full
+    group with such a connector (a test connector here, LMCache's in use), the model's groups
+    with the OffloadingConnector (tests/engine/connectors/offloading/test_offload_kv_groups.py)."""
     from kvtool.engine.connectors.config import parse_kv_transfer_config
 
-    engine = _engine(model_dir, kv_transfer_config=parse_kv_transfer_config(ktc))
+    one = json.dumps({"kv_connector": "DictConnector", "kv_role": "kv_both",
+                      "kv_connector_module_path": "tests.support.connectors.dict_connector"})
+    groups = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"num_cpu_blocks": 64}})
+    engine = _engine(model_dir, kv_transfer_config=parse_kv_transfer_config(one))
     try:
         assert engine.kv_layout.num_groups == 1 and not engine.kv_layout.hybrid
+    finally:
+        engine.close()
+    engine = _engine(model_dir, kv_transfer_config=parse_kv_transfer_config(groups))
+    try:
+        assert engine.kv_layout == _engine_layout(model_dir)
+    finally:
+        engine.close()
+
+
+def _engine_layout(model_dir):
+    engine = _engine(model_dir)
+    try:
+        return engine.kv_layout
     finally:
         engine.close()
 
@@ -347,6 +365,7 @@ def test_the_flag_is_vllms_three_way_switch(model_dir, run_kvtool):
         _engine(model_dir, disable_hybrid_kv_cache_manager=False, kv_transfer_config=lm)
     code, out, err = run_kvtool(["generate", "--model", str(model_dir), "--device", "cpu",
                                  "--no-disable-hybrid-kv-cache-manager", "--kv-transfer-config",
-                                 '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}', "--prompt", "hello"])
+                                 '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both",'
+                                 '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1"}}', "--prompt", "hello"])
     assert code != 0 and "Traceback" not in err
-    assert "--no-disable-hybrid-kv-cache-manager: OffloadingConnector moves the blocks" in err
+    assert "--no-disable-hybrid-kv-cache-manager: LMCacheConnectorV1 does not support the hybrid" in err

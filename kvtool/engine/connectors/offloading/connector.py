@@ -17,8 +17,14 @@ from kvtool.engine.connectors.base import ConnectorContext, EngineIdentity, KVCo
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool, plan_num_slots
 from kvtool.engine.connectors.offloading.disk.disk_index import DiskIndex
 from kvtool.engine.connectors.offloading.disk.disk_tier import DiskTier
+from kvtool.engine.connectors.offloading.disk.group_tiers import (
+    GroupDiskIndex,
+    GroupDiskTiers,
+    block_hash_of,
+    group_identities,
+)
 from kvtool.engine.connectors.offloading.disk.tier_identity import KVIdentity, make_identity
-from kvtool.engine.connectors.offloading.scheduler import OffloadingScheduler, block_hash_of
+from kvtool.engine.connectors.offloading.scheduler import OffloadingScheduler
 from kvtool.engine.connectors.offloading.settings import OffloadingSettings, parse_settings
 from kvtool.engine.connectors.offloading.worker import OffloadingWorker
 
@@ -60,6 +66,10 @@ class OffloadingConnector(KVConnector):
     scheduler_half = OffloadingScheduler
     worker_half = OffloadingWorker
 
+    @classmethod
+    def groups_unsupported(cls, config) -> str | None:
+        return None
+
     @staticmethod
     def _plan(ctx: ConnectorContext) -> tuple[OffloadingSettings, int, int]:
         identity = ctx.identity
@@ -69,6 +79,8 @@ class OffloadingConnector(KVConnector):
         size = identity.tp_size
         bytes_per_block = (sum(identity_of_rank(identity, size, r).geometry.bytes_per_block for r in range(size))
                            if size > 1 else geometry.bytes_per_block)
+        # With KV cache groups a block (and a slot's block) holds one group's layers.
+        bytes_per_block = bytes_per_block // geometry.num_layers * ctx.kv_layout.num_slots
         settings = parse_settings(dict(ctx.config.kv_connector_extra_config), geometry.block_size,
                                   kv_bytes_per_block=bytes_per_block)
         blocks_per_slot = settings.offload_block_tokens // geometry.block_size
@@ -95,20 +107,31 @@ class OffloadingConnector(KVConnector):
         settings, _, num_slots = cls._plan(ctx)
         index = None
         if settings.root_dir:
-            # Each rank writes its own shard under its own identity's directory: the index holds a
-            # block only when every rank's directory has it.
+            # Each rank writes its own shard under its own identity's directory, and each KV cache
+            # group under its own: a group's index holds a block only when every rank's directory has it.
             size = ctx.identity.tp_size
             ranks = [identity_of_rank(ctx.identity, size, r) for r in range(size)] if size > 1 else [ctx.identity]
-            index = DiskIndex(settings.root_dir, [disk_identity(i, settings.offload_block_tokens) for i in ranks])
+            per_rank = [group_identities(disk_identity(i, settings.offload_block_tokens), ctx.kv_layout) for i in ranks]
+            index = GroupDiskIndex([DiskIndex(settings.root_dir, [groups[g] for groups in per_rank])
+                                    for g in range(ctx.kv_layout.num_groups)])
         return OffloadingScheduler(ctx, settings, num_slots, index)
 
     @classmethod
     def create_worker_half(cls, ctx: ConnectorContext) -> OffloadingWorker:
         settings, blocks_per_slot, num_slots = cls._plan(ctx)
         identity = ctx.identity
-        pool = HostPool(identity.geometry, blocks_per_slot, num_slots, pin_memory=identity.device_type == "cuda")
+        pool = HostPool(identity.geometry, blocks_per_slot, num_slots, pin_memory=identity.device_type == "cuda",
+                        layers_per_block=ctx.kv_layout.num_slots)
         disk = None
         if settings.root_dir:
-            disk = DiskTier(settings.root_dir, disk_identity(identity, settings.offload_block_tokens),
-                            settings.fs_capacity_bytes)
+            tiers: list[DiskTier] = []
+            try:
+                for group_identity in group_identities(disk_identity(identity, settings.offload_block_tokens),
+                                                       ctx.kv_layout):
+                    tiers.append(DiskTier(settings.root_dir, group_identity, settings.fs_capacity_bytes))
+            except BaseException:
+                for tier in tiers:
+                    tier.close()
+                raise
+            disk = GroupDiskTiers(tiers)
         return OffloadingWorker(ctx, settings, pool, disk)

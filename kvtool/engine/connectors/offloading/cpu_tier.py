@@ -169,21 +169,25 @@ class SlotIndex:
 class HostPool:
     """The CPU tier's bytes: `num_slots` slots in one host tensor (pinned for CUDA engines)."""
 
-    def __init__(self, geometry: KVGeometry, blocks_per_slot: int, num_slots: int, pin_memory: bool) -> None:
+    def __init__(self, geometry: KVGeometry, blocks_per_slot: int, num_slots: int, pin_memory: bool,
+                 layers_per_block: int | None = None) -> None:
         self.geometry = geometry
         self.blocks_per_slot = blocks_per_slot
         self.num_slots = num_slots
         g = geometry
+        # A block's layers: every layer, or with KV cache groups one group's (a slot then holds
+        # one group's chunk).
+        self.layers_per_block = layers_per_block or g.num_layers
         # [num_slots, blocks_per_slot, 2, L, bs, H, D]
         self.pool = torch.empty(
-            (num_slots, blocks_per_slot, 2, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim),
+            (num_slots, blocks_per_slot, 2, self.layers_per_block, g.block_size, g.num_kv_heads, g.head_dim),
             dtype=DTYPES[g.dtype],
             pin_memory=pin_memory,
         )
 
     @property
     def slot_bytes(self) -> int:
-        return self.geometry.bytes_per_block * self.blocks_per_slot
+        return self.geometry.bytes_per_block // self.geometry.num_layers * self.layers_per_block * self.blocks_per_slot
 
     def slot(self, slot: int) -> torch.Tensor:
         """The slot's tensor [blocks_per_slot, 2, L, bs, H, D] (a view into the pool)."""

@@ -21,6 +21,7 @@ class LoadJob(msgspec.Struct, kw_only=True):
     first: int  # index, inside the offload block, of block_ids[0]
     slot: int | None  # CPU slot; None: read from disk through a staging buffer
     from_disk: bool  # promote from disk into the slot first
+    tokens: int = 0  # tokens the job counts as loaded (each chunk's once, over its groups' jobs)
 
 
 class StoreJob(msgspec.Struct, kw_only=True):
@@ -31,6 +32,7 @@ class StoreJob(msgspec.Struct, kw_only=True):
     slot: int  # CPU slot
     copy_from_pages: bool  # False: the slot already holds the bytes (disk write only)
     write_to_disk: bool
+    tokens: int = 0  # tokens the job counts as stored (each chunk's once, over its groups' copies)
 
 
 class OffloadingMetadata(KVConnectorMetadata):
@@ -41,6 +43,6 @@ class OffloadingMetadata(KVConnectorMetadata):
 class OffloadingCompletions(KVConnectorCompletions):
     # Jobs whose slot the worker no longer uses (loads done, stores copied and written).
     finished_job_ids: list[int] = []
-    # Block hashes the worker wrote to the disk tier, and those the tier evicted for room.
+    # Keys the worker wrote to the disk tier, and those the tier evicted for room.
     written: list[bytes] = []
     evicted: list[bytes] = []

@@ -8,6 +8,15 @@ Keys are vLLM's: the chained block hash of the last engine block of an offload b
 by the KV-cache group index as 4 big-endian bytes. A lookup walks the chain longest-prefix
 first, in the CPU tier, then on disk; a disk hit is promoted into a CPU slot and loaded from it.
 
+With KV cache groups (`kv.groups`) every group's chunk is an entry of its own (its key ends in
+its group; a CPU slot holds one group's blocks). A hit at token p needs every full-attention
+group's chunks from the local hit up to p, and each sliding-window group's chunks that hold the
+tokens its window still reads at p (from p - W + 1, or from the local hit if that is later);
+the engine scheduler gives such a group the null block below its window at admission, so the
+loads fill exactly the entries it allocated. A group's chunk is stored only while every block
+of it is in the group's table (a window shorter than a chunk frees the chunk's first blocks
+before its last ones are written: that group's chunk is then not offloaded).
+
 Each step, a request offers the chunks it completed to the CPU tier, one batch per request (its
 loaded chunks are not offered again). With store_threshold the batch is counted first and only
 chunks offered often enough are stored (store_filter.py); room is made by the eviction policy
@@ -21,28 +30,23 @@ import itertools
 
 from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
 from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
-from kvtool.engine.connectors.offloading.disk.disk_index import DiskIndex
+from kvtool.engine.connectors.offloading.disk.group_tiers import GroupDiskIndex
 from kvtool.engine.connectors.offloading.eviction import RequestAccess
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
 from kvtool.engine.connectors.offloading.store_filter import make_offer_counter
+from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.core.messages import KVConnectorOutput
 from kvtool.engine.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.outputs import CPUTierUsage
 
-
-def block_hash_of(key: bytes) -> bytes:
-    """The block hash inside an offload key (vLLM's layout: block hash + 4-byte group index).
-
-    Disk files are named by the block hash alone; their header carries the identity.
-    """
-    return key[:-4]
+__all__ = ["OffloadingScheduler", "StorageLocalityRecorder"]
 
 
 class StorageLocalityRecorder(OffloadEventRecorder):
     """The tier's KV events, its STORAGE ones carrying the fs tier's `locality`, as vLLM labels them."""
 
-    def __init__(self, locality: str) -> None:
-        super().__init__()
+    def __init__(self, locality: str, group_specs=()) -> None:
+        super().__init__(group_specs=group_specs)
         self.locality = locality
 
     def take_events(self) -> list:
@@ -54,7 +58,7 @@ class StorageLocalityRecorder(OffloadEventRecorder):
 
 
 class OffloadingScheduler(SchedulerHalf):
-    def __init__(self, ctx: ConnectorContext, settings, num_slots: int, disk_index: DiskIndex | None) -> None:
+    def __init__(self, ctx: ConnectorContext, settings, num_slots: int, disk_index: GroupDiskIndex | None) -> None:
         super().__init__(ctx)
         self.settings = settings
         self.slots = SlotIndex(num_slots, settings.eviction_policy)
@@ -63,7 +67,15 @@ class OffloadingScheduler(SchedulerHalf):
         self.block_size = ctx.identity.geometry.block_size
         self.obt = settings.offload_block_tokens or self.block_size
         self.blocks_per_offload = self.obt // self.block_size
-        self.group_suffix = settings.group_idx.to_bytes(4, "big")
+        layout = ctx.kv_layout
+        self.windows = [g.sliding_window for g in layout.groups]
+        self.full_groups = [g for g, w in enumerate(self.windows) if w is None]
+        self.sliding_groups = [g for g, w in enumerate(self.windows) if w is not None]
+        self.suffixes = [g.to_bytes(4, "big") for g in range(layout.num_groups)]
+        # Whether block 0 is the pool's null block (entries freed behind a window, never stored).
+        self.has_null_block = layout.hybrid
+        # The groups' BlockStored annotations (kvtool's groups only; one group keeps vLLM's plain ones).
+        self.group_specs = [(g.kind, g.sliding_window) for g in layout.groups] if layout.hybrid else []
         self.requests: dict = {}
         self.next_store: dict[str, int] = {}
         # Per request: the offload blocks it loaded (never offered again), and the CPU-tier keys
@@ -76,7 +88,7 @@ class OffloadingScheduler(SchedulerHalf):
         # job id -> the key whose slot the job fills (a store's copy, a promotion from disk).
         self.filling_jobs: dict[int, bytes] = {}
         self._job_ids = itertools.count()
-        # Disk writes in flight (job id -> block hash, and a count per hash): not planned twice.
+        # Disk writes in flight (job id -> key, and a count per key): not planned twice.
         self.writing: dict[int, bytes] = {}
         self.num_writing: dict[bytes, int] = {}
         # Keys whose bytes were refused in this process: not matched again until re-stored.
@@ -92,7 +104,8 @@ class OffloadingScheduler(SchedulerHalf):
     def kv_event_recorder(self) -> OffloadEventRecorder:
         if self.events is None:
             locality = self.settings.disk_locality
-            self.events = StorageLocalityRecorder(locality) if locality else OffloadEventRecorder()
+            self.events = (StorageLocalityRecorder(locality, self.group_specs) if locality
+                           else OffloadEventRecorder(group_specs=self.group_specs))
         return self.events
 
     def _access(self, request_id: str) -> RequestAccess:
@@ -101,20 +114,20 @@ class OffloadingScheduler(SchedulerHalf):
             access = self.accesses[request_id] = RequestAccess()
         return access
 
-    def _event_args(self, request, j: int) -> tuple:
-        """(key, block hashes, parent hash, tokens) of offload block j, as its BlockStored carries them."""
+    def _event_args(self, request, j: int, g: int) -> tuple:
+        """(key, block hashes, parent hash, tokens) of group g's offload block j, as its BlockStored carries them."""
         k = self.blocks_per_offload
         hashes = request.block_hashes[j * k : (j + 1) * k]
         parent = request.block_hashes[j * k - 1] if j else None
         tokens = request.token_ids_slice(j * self.obt, (j + 1) * self.obt)
-        return self._key(request, j), list(hashes), parent, tokens, [
+        return self._key(request, j, g), list(hashes), parent, tokens, [
             event_extra_keys(i, request.cache_salt) for i in range(j * k, (j + 1) * k)]
 
-    def _key(self, request, j: int) -> bytes:
-        return request.block_hashes[(j + 1) * self.blocks_per_offload - 1] + self.group_suffix
+    def _key(self, request, j: int, g: int = 0) -> bytes:
+        return request.block_hashes[(j + 1) * self.blocks_per_offload - 1] + self.suffixes[g]
 
     def _on_disk(self, key: bytes) -> bool:
-        return self.disk is not None and block_hash_of(key) in self.disk
+        return self.disk is not None and key in self.disk
 
     def _available(self, key: bytes) -> bool:
         if key in self.refused:
@@ -127,10 +140,37 @@ class OffloadingScheduler(SchedulerHalf):
         # Whole offload blocks, the last one too: on a full hit the scheduler leaves only the last
         # token to compute, and the load still fills that token's block whole.
         last = min(request.num_tokens // self.obt, len(request.block_hashes) // self.blocks_per_offload)
-        j = num_computed_tokens // self.obt
-        while j < last and self._available(self._key(request, j)):
-            j += 1
-        return max(0, min(j * self.obt, request.num_tokens - 1) - num_computed_tokens), False
+        first = num_computed_tokens // self.obt
+        end = first
+        while end < last and all(self._available(self._key(request, end, g)) for g in self.full_groups):
+            end += 1
+        # Each sliding-window group needs its window's chunks at the hit's end: the longest end
+        # (at most the full groups') where every one has them.
+        while end > first and not all(
+                self._available(self._key(request, j, g))
+                for g in self.sliding_groups for j in self._chunks(g, num_computed_tokens, self._hit_end(request, end))):
+            end -= 1
+        return max(0, self._hit_end(request, end) - num_computed_tokens), False
+
+    def _hit_end(self, request, chunks: int) -> int:
+        """The tokens computed after a hit of `chunks` offload blocks (the last token is computed)."""
+        return min(chunks * self.obt, request.num_tokens - 1)
+
+    def _first_block(self, g: int, start: int, end: int) -> int:
+        """The first of group g's blocks a load of tokens [start, end) fills: a sliding-window
+        group's entries that no token from `end` on attends are the null block."""
+        first = start // self.block_size
+        w = self.windows[g]
+        return first if w is None else max(first, max(0, end - w + 1) // self.block_size)
+
+    def _chunks(self, g: int, start: int, end: int) -> range:
+        """Group g's offload blocks a load of tokens [start, end) reads."""
+        return range(self._first_block(g, start, end) // self.blocks_per_offload, -(-end // self.obt))
+
+    def _load_tokens(self, j: int, start: int, end: int) -> int:
+        """The tokens of a load of [start, end) that fall in offload block j, in whole engine blocks."""
+        k, bs = self.blocks_per_offload, self.block_size
+        return (min((j + 1) * k, -(-end // bs)) - max(j * k, start // bs)) * bs
 
     def _job(self, slot: int | None) -> int:
         job_id = next(self._job_ids)
@@ -145,40 +185,51 @@ class OffloadingScheduler(SchedulerHalf):
         start = request.num_computed_tokens
         end = start + num_external_tokens
         k = self.blocks_per_offload
-        chunks = range(start // self.obt, -(-end // self.obt))
-        keys = {j: self._key(request, j) for j in chunks}
+        tables = request.group_block_ids
+        # (chunk, group) -> key, for every group's chunks of the load, chunk by chunk.
+        keys = {(j, g): self._key(request, j, g) for g in range(len(self.windows)) for j in self._chunks(g, start, end)}
         access = self._access(rid)
-        slots: dict[int, int | None] = {}
-        for j, key in keys.items():
-            slot = slots[j] = self.slots.lookup(key)
+        slots: dict[tuple[int, int], int | None] = {}
+        for (j, g), key in keys.items():
+            slot = slots[j, g] = self.slots.lookup(key)
             if slot is not None:
                 self.slots.pin(slot)
                 access.saw(key, j, reused=self.slots.is_ready(key))
-        self.slots.touch([keys[j] for j in chunks if slots[j] is not None])
+        self.slots.touch([key for jg, key in keys.items() if slots[jg] is not None])
         slots_before_promotion = dict(slots)
         # Disk hits are promoted into CPU slots (None when every slot is busy: through staging).
-        promoted = [j for j in chunks if slots[j] is None]
+        promoted = [jg for jg in keys if slots[jg] is None]
         if promoted:
-            targets = self.slots.allocate_many([keys[j] for j in promoted], protected=set(keys.values()))
-            for j, slot in zip(promoted, targets):
-                slots[j] = slot
+            targets = self.slots.allocate_many([keys[jg] for jg in promoted], protected=set(keys.values()))
+            for jg, slot in zip(promoted, targets):
+                slots[jg] = slot
                 if slot is not None:
-                    access.saw(keys[j], j, inserted=True)
-        for j in chunks:
-            lo = max(j * k, start // self.block_size)
+                    access.saw(keys[jg], jg[0], inserted=True)
+        # A chunk's tokens are counted once, by its first group's job (the request's first job
+        # counts the chunks no group loads: those a window left behind).
+        counted: set[int] = set()
+        loads: list[LoadJob] = []
+        for (j, g), key in sorted(keys.items()):
+            lo = max(j * k, self._first_block(g, start, end))
             hi = min((j + 1) * k, -(-end // self.block_size))
-            key, slot = keys[j], slots[j]
-            from_disk = slots_before_promotion[j] is None
+            slot = slots[j, g]
+            from_disk = slots_before_promotion[j, g] is None
             job_id = self._job(slot)
             if from_disk and slot is not None:
                 self.filling_jobs[job_id] = key
                 if self.events is not None:
-                    self.job_events[job_id] = self._event_args(request, j)  # a promotion into the CPU tier
-            self.pending_loads.append(
-                LoadJob(job_id=job_id, request_id=rid, key=key, index=j,
-                        block_ids=list(block_ids[lo:hi]), first=lo - j * k, slot=slot, from_disk=from_disk)
-            )
-        self.hit_chunks[rid] = max(self.hit_chunks.get(rid, 0), chunks.stop)
+                    self.job_events[job_id] = self._event_args(request, j, g)  # a promotion into the CPU tier
+            tokens = 0
+            if j not in counted:
+                counted.add(j)
+                tokens = self._load_tokens(j, start, end)
+            loads.append(LoadJob(job_id=job_id, request_id=rid, key=key, index=j, block_ids=list(tables[g][lo:hi]),
+                                 first=lo - j * k, slot=slot, from_disk=from_disk, tokens=tokens))
+        if loads:
+            uncounted = range(start // self.obt, -(-end // self.obt))
+            loads[0].tokens += sum(self._load_tokens(j, start, end) for j in uncounted if j not in counted)
+        self.pending_loads.extend(loads)
+        self.hit_chunks[rid] = max(self.hit_chunks.get(rid, 0), -(-end // self.obt))
 
     def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:
         stores: list[StoreJob] = []
@@ -203,62 +254,67 @@ class OffloadingScheduler(SchedulerHalf):
         if first >= full:
             return []
         hit_end = self.hit_chunks.get(rid, 0)
-        offer = {j: self._key(req, j) for j in range(first, full)}
+        k = self.blocks_per_offload
+        tables = req.group_block_ids
+        # Every group's chunk whose blocks are all in the group's table (none freed behind a window).
+        offer = {(j, g): self._key(req, j, g) for j in range(first, full) for g in range(len(self.windows))
+                 if not (self.has_null_block and NULL_BLOCK in tables[g][j * k : (j + 1) * k])}
         if self.offer_counter is not None:
-            self.offer_counter.record_offer([key for j, key in offer.items() if j >= hit_end])
+            self.offer_counter.record_offer([key for (j, _), key in offer.items() if j >= hit_end])
         access = self._access(rid)
         has_disk = self.disk is not None
-        jobs: list[tuple[int, StoreJob]] = []
+        jobs: list[tuple[tuple[int, int], StoreJob]] = []
         held: list[bytes] = []
-        to_copy: list[int] = []
-        for j, key in offer.items():
+        to_copy: list[tuple[int, int]] = []
+        for (j, g), key in offer.items():
             repair = key in self.refused
             slot = None if repair else self.slots.lookup(key)
-            bh = block_hash_of(key)
-            on_disk = has_disk and not repair and (bh in self.disk or bh in self.num_writing)
+            on_disk = has_disk and not repair and (key in self.disk or key in self.num_writing)
             if slot is not None:
                 held.append(key)
                 if j >= hit_end:
                     access.saw(key, j, reused=self.slots.is_ready(key))
                 if has_disk and not on_disk:
                     self.slots.pin(slot)
-                    jobs.append((j, self._store(req, j, slot, copy=False)))
+                    jobs.append(((j, g), self._store(req, j, g, slot, copy=False)))
             elif not on_disk and (self.offer_counter is None or self.offer_counter.admits(key)):
-                to_copy.append(j)
+                to_copy.append((j, g))
         self.slots.touch(held)
         if to_copy:
             # Room for the batch never comes from the batch itself.
-            targets = self.slots.allocate_many([offer[j] for j in to_copy], protected=set(offer.values()))
-            for j, slot in zip(to_copy, targets):
+            targets = self.slots.allocate_many([offer[jg] for jg in to_copy], protected=set(offer.values()))
+            counted: set[int] = set()
+            for (j, g), slot in zip(to_copy, targets):
                 if slot is None:
                     continue
-                key = offer[j]
+                key = offer[j, g]
                 self.refused.discard(key)
                 access.saw(key, j, inserted=True)
-                job = self._store(req, j, slot, copy=True)
+                # A chunk's tokens count as stored once, by the first of its groups copied.
+                job = self._store(req, j, g, slot, copy=True, tokens=0 if j in counted else self.obt)
+                counted.add(j)
                 self.filling_jobs[job.job_id] = key
-                jobs.append((j, job))
+                jobs.append(((j, g), job))
         jobs.sort(key=lambda x: x[0])
         return [job for _, job in jobs]
 
-    def _store(self, req, j: int, slot: int, copy: bool) -> StoreJob:
-        key = self._key(req, j)
+    def _store(self, req, j: int, g: int, slot: int, copy: bool, tokens: int = 0) -> StoreJob:
+        key = self._key(req, j, g)
         k = self.blocks_per_offload
-        blocks = list(req.block_ids[j * k : (j + 1) * k])
+        blocks = list(req.group_block_ids[g][j * k : (j + 1) * k])
         job_id = self._job(slot)
         write = self.disk is not None
         if self.events is not None:
-            args = self._event_args(req, j)
+            args = self._event_args(req, j, g)
             if copy:
                 self.job_events[job_id] = args
             if write and self.publish_disk_events:
-                self.disk_events[block_hash_of(key)] = args
+                self.disk_events[key] = args
         if write:
-            bh = block_hash_of(key)
-            self.writing[job_id] = bh
-            self.num_writing[bh] = self.num_writing.get(bh, 0) + 1
+            self.writing[job_id] = key
+            self.num_writing[key] = self.num_writing.get(key, 0) + 1
         return StoreJob(job_id=job_id, request_id=req.request_id, key=key, block_ids=blocks, slot=slot,
-                        copy_from_pages=copy, write_to_disk=write)
+                        copy_from_pages=copy, write_to_disk=write, tokens=tokens)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         # Under tensor parallelism these are the runtime's aggregate: a job id or a written block
@@ -269,14 +325,14 @@ class OffloadingScheduler(SchedulerHalf):
         done = output.completions
         if isinstance(done, OffloadingCompletions):
             if self.disk is not None:
-                for bh in done.written:
-                    self.disk.add(bh)
-                    if self.events is not None and bh in self.disk_events:
-                        self._announce(MEDIUM_STORAGE, self.disk_events.pop(bh))
-                for bh in done.evicted:
-                    self.disk.discard(bh)
+                for key in done.written:
+                    self.disk.add(key)
+                    if self.events is not None and key in self.disk_events:
+                        self._announce(MEDIUM_STORAGE, self.disk_events.pop(key))
+                for key in done.evicted:
+                    self.disk.discard(key)
                     if self.events is not None and self.publish_disk_events:
-                        self.events.removed(MEDIUM_STORAGE, bh + self.group_suffix)
+                        self.events.removed(MEDIUM_STORAGE, key)
             if self.events is not None:
                 failed_keys = {j.key for j in failed_loads}
                 for job_id in done.finished_job_ids:
@@ -284,11 +340,11 @@ class OffloadingScheduler(SchedulerHalf):
                     if args is not None and args[0] not in failed_keys and self.slots.lookup(args[0]) is not None:
                         self._announce(MEDIUM_CPU, args)
             for job_id in done.finished_job_ids:
-                bh = self.writing.pop(job_id, None)
-                if bh is not None:
-                    left = self.num_writing.pop(bh) - 1
+                written = self.writing.pop(job_id, None)
+                if written is not None:
+                    left = self.num_writing.pop(written) - 1
                     if left:
-                        self.num_writing[bh] = left
+                        self.num_writing[written] = left
                 key = self.filling_jobs.pop(job_id, None)
                 if key is not None:
                     self.slots.mark_filled(key)  # a failed load's key is dropped below

@@ -33,9 +33,8 @@ import torch
 from kvtool.engine.connectors.base import ConnectorContext, WorkerHalf
 from kvtool.engine.connectors.offloading.copy.transfers import SlotTransfers
 from kvtool.engine.connectors.offloading.cpu_tier import HostPool
-from kvtool.engine.connectors.offloading.disk.disk_tier import DiskTier
+from kvtool.engine.connectors.offloading.disk.group_tiers import GroupDiskTiers
 from kvtool.engine.connectors.offloading.jobs import OffloadingCompletions
-from kvtool.engine.connectors.offloading.scheduler import block_hash_of
 from kvtool.engine.errors import KVRefused
 from kvtool.engine.kv.pages import refuse_geometry_mismatch
 
@@ -53,7 +52,7 @@ LAYER_GROUP_LOAD_MIN_BLOCKS = 32
 class OffloadingWorker(WorkerHalf):
     """Moves blocks between the pages and the CPU tier (and the disk tier behind it)."""
 
-    def __init__(self, ctx: ConnectorContext, settings, pool: HostPool, disk: DiskTier | None) -> None:
+    def __init__(self, ctx: ConnectorContext, settings, pool: HostPool, disk: GroupDiskTiers | None) -> None:
         super().__init__(ctx)
         self.pool = pool
         self.disk = disk
@@ -80,6 +79,9 @@ class OffloadingWorker(WorkerHalf):
     def register_kv_caches(self, kv_pages) -> None:
         super().register_kv_caches(kv_pages)
         refuse_geometry_mismatch(self.pool.geometry, kv_pages.geometry, "OffloadingConnector CPU tier")
+        if self.pool.layers_per_block != kv_pages.layout.num_slots:
+            raise ValueError(f"OffloadingConnector CPU tier slots hold {self.pool.layers_per_block} layers a block; "
+                             f"the pages hold {kv_pages.layout.num_slots} ({kv_pages.layout.describe()})")
         if kv_pages.device.type == "cuda" and self.pool.pool.is_pinned():
             self.transfers = SlotTransfers(self.pool.pool, kv_pages)
 
@@ -149,7 +151,7 @@ class OffloadingWorker(WorkerHalf):
                 if job.from_disk:
                     if self.disk is None:
                         raise KVRefused("block is not in the CPU tier and there is no disk tier")
-                    self.disk.read_into(block_hash_of(job.key), buf)
+                    self.disk.read_into(job.key, buf)
                 # Re-check before a single byte enters the pages.
                 refuse_geometry_mismatch(self.pool.geometry, pages.geometry, "OffloadingConnector load")
                 if self.transfers is not None and job.slot is not None:
@@ -159,9 +161,8 @@ class OffloadingWorker(WorkerHalf):
                     queued = True
                 else:
                     pages.scatter(job.block_ids, buf[job.first : job.first + len(job.block_ids)])
-                moved = len(job.block_ids) * pages.geometry.bytes_per_block
-                self.stats.bytes_loaded += moved
-                n = len(job.block_ids) * self.block_size
+                self.stats.bytes_loaded += len(job.block_ids) * pages.block_bytes
+                n = job.tokens
                 self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n
                 if job.from_disk:
                     disk = self.stats.tokens_loaded_from_disk
@@ -229,9 +230,8 @@ class OffloadingWorker(WorkerHalf):
                     self.stats.store_s += time.perf_counter() - t0
                 elif not layer_saved:  # (a layerwise save was queued during the forward)
                     pairs.extend((b, job.slot * bps + i) for i, b in enumerate(job.block_ids))
-                moved = len(job.block_ids) * self.kv_pages.geometry.bytes_per_block
-                self.stats.bytes_stored += moved
-                n = len(job.block_ids) * self.block_size
+                self.stats.bytes_stored += len(job.block_ids) * self.kv_pages.block_bytes
+                n = job.tokens
                 self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
             if job.write_to_disk and self.writer is not None:
                 to_disk.append(job)
@@ -255,9 +255,9 @@ class OffloadingWorker(WorkerHalf):
         try:
             if after is not None:
                 after.synchronize()
-            if self.disk.write(block_hash_of(key), self.obt, self.pool.slot(slot)):
+            if self.disk.write(key, self.obt, self.pool.slot(slot)):
                 with self._done_lock:
-                    self._written.append(block_hash_of(key))
+                    self._written.append(key)
         except Exception:  # noqa: BLE001 - a failed write-through only loses a cache entry
             logger.exception("disk tier write failed")
         finally:

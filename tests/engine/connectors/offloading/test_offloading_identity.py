@@ -59,12 +59,12 @@ def test_foreign_tier_is_refused_naming_fields(setting, make_engine, tiny_model_
     writer = make_engine(kv_transfer_config=ktc(root, "fail"))
     writer.generate([PROMPT], GREEDY)
     writer.executor.worker.connector.flush()
-    written = root / "kv" / writer.executor.worker.connector.disk.digest
+    written = root / "kv" / writer.executor.worker.connector.disk.tiers[0].digest
     overrides, fields = _variant(setting, tiny_model_dir, tmp_path)
     ref = make_engine(**{k: v for k, v in overrides.items()}).generate([PROMPT], GREEDY)[0]
     for policy in ("fail", "recompute"):
         reader = make_engine(kv_transfer_config=ktc(root, policy), **overrides)
-        target = root / "kv" / reader.executor.worker.connector.disk.digest
+        target = root / "kv" / reader.executor.worker.connector.disk.tiers[0].digest
         assert target != written  # another identity looks elsewhere...
         if not target.exists() or not any(target.rglob("*.kvb")):
             shutil.rmtree(target, ignore_errors=True)

@@ -57,7 +57,7 @@ def write_tier(root, identity, full, heads):
         assert writer.matched(req) == 0
         outputs = writer.step(req, first_block=0, matched=0)
         assert all(not o.invalid_block_ids for o in outputs)
-        return [bytes(h) for h in req.block_hashes[:BLOCKS]], [w.disk.digest for w in writer.workers]
+        return [bytes(h) for h in req.block_hashes[:BLOCKS]], [w.disk.tiers[0].digest for w in writer.workers]
     finally:
         writer.shutdown()
 
@@ -102,7 +102,7 @@ def test_a_block_counts_only_when_every_rank_holds_it(tiny_model_dir, tmp_path):
     ranks = RankedHalves(offload(root), identity, make_none_hash(), 2)
     try:
         assert ranks.matched(ranks.request("a", PROMPT)) == 2 * g.block_size
-        disk = ranks.scheduler.disk
+        disk = ranks.scheduler.disk.indexes[0]
         assert hashes[1] in disk and hashes[2] not in disk
         # While running, a block is on disk only once every rank reported writing it.
         for r in range(2):
@@ -122,7 +122,8 @@ def test_a_block_counts_only_when_every_rank_holds_it(tiny_model_dir, tmp_path):
             w.flush()
             parts.append(w.take_completions())
             w.clear_connector_metadata()
-        assert hashes[2] in parts[0].written and hashes[2] in parts[1].written
+        key = hashes[2] + bytes(4)  # the offload key: block hash + group 0
+        assert key in parts[0].written and key in parts[1].written
         # The runtime passes a written block on once every rank reported it (here rank 1 a step later).
         agg = ranks.aggregator
         ranks.scheduler.update_connector_output(KVConnectorOutput(completions=agg.completions([parts[0], None])))
@@ -138,12 +139,12 @@ def test_a_tier_of_another_tp_size_is_refused_naming_the_fields(make_engine, tin
     writer = make_engine(kv_transfer_config=offload(root))  # TP 1: every KV head in one file
     writer.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0))
     writer.executor.worker.connector.flush()
-    written = root / "kv" / writer.executor.worker.connector.disk.digest
+    written = root / "kv" / writer.executor.worker.connector.disk.tiers[0].digest
     identity = tp_identity(tiny_model_dir, 2)
     ranks = RankedHalves(offload(root), identity, make_none_hash(), 2)
     try:
         for w in ranks.workers:  # the TP-1 files where each TP-2 rank looks (a copied tier)
-            target = root / "kv" / w.disk.digest
+            target = root / "kv" / w.disk.tiers[0].digest
             assert target != written
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(written, target)

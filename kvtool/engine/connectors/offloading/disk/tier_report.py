@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -338,16 +338,19 @@ def _aggregate(
     )
 
 
-def loadability(report: TierReport, identity: KVIdentity) -> list[GroupVerdict]:
+def loadability(report: TierReport, identity: KVIdentity | Sequence[KVIdentity]) -> list[GroupVerdict]:
     """For each identity group, in order: would an engine with `identity` load its blocks; if not, why.
 
     A group loads only when every compared identity field agrees; the verdict lists each
-    field that differs with the engine's value and the tier's. Damaged files are not in any
-    group (see `report.problems`): no engine loads them.
+    field that differs with the engine's value and the tier's. An engine with KV cache groups
+    writes under one identity per group (`group_tiers.group_identities`): pass them all, and a
+    group is judged against the one it differs from least. Damaged files are not in any group
+    (see `report.problems`): no engine loads them.
     """
+    identities = [identity] if isinstance(identity, KVIdentity) else list(identity)
     verdicts = []
     for group in report.groups:
-        diffs = identity_differences(identity, group.identity)
+        diffs = min((identity_differences(i, group.identity) for i in identities), key=len)
         if diffs:
             reason = f"refused: {count_fields(len(diffs))}: {describe_differences(diffs)}"
         elif report.verified:
@@ -366,6 +369,6 @@ def loadability(report: TierReport, identity: KVIdentity) -> list[GroupVerdict]:
     return verdicts
 
 
-def with_loadability(report: TierReport, identity: KVIdentity) -> TierReport:
+def with_loadability(report: TierReport, identity: KVIdentity | Sequence[KVIdentity]) -> TierReport:
     """A copy of `report` with its `loadability` verdicts for `identity` filled in."""
     return msgspec.structs.replace(report, loadability=loadability(report, identity))
