@@ -143,6 +143,8 @@ def _rebuild(batches: dict[int, bytes], live: list[int], replayed: list[int]) ->
         "errors": cache.errors, "num_hash_checks": cache.num_hash_checks,
         "mismatched_reencodes": cache.mismatched_reencodes, "counts": cache.counts,
         "groups": {str(g): spec for (medium, g), spec in sorted(cache.groups.items()) if medium == "GPU"},
+        "media_groups": {medium: {str(g): spec for (m, g), spec in sorted(cache.groups.items()) if m == medium}
+                         for medium in sorted({m for m, _ in cache.groups})},
     }
 
 

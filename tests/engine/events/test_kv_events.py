@@ -300,3 +300,48 @@ def test_hybrid_groups_announce_each_group_and_rebuild_the_cache(subscriber, tmp
         assert any(h.startswith("g1:") for h in got["state"]["GPU"])
     finally:
         engine.close()
+
+
+def test_offloaded_groups_are_announced_with_their_group(subscriber, tmp_path):
+    """Gemma 3 with KV cache groups and a CPU + disk tier: the tiers' BlockStored/BlockRemoved
+    carry each offload block's group index (the key's) and the group's kind and window, and
+    replayed per medium they give what the CPU slot index and every group's disk index hold."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.engine import LLMEngine
+    from kvtool.engine.params import EngineParams
+    from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
+
+    preset = PRESETS["tiny-gemma3"]
+    model = tmp_path / "gemma3"
+    write_random_model_dir(model, {**preset.hf_config, "sliding_window": 32}, seed=2, tokenizer=preset.tokenizer)
+    config = parse_kv_transfer_config(json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_cpu_blocks": 12, "root_dir": str(tmp_path / "tier")}}))
+    engine = LLMEngine(EngineParams(model=str(model), device="cpu", num_gpu_blocks=48, block_size=BLOCK_SIZE,
+                                    max_model_len=512, max_num_batched_tokens=32, kv_transfer_config=config,
+                                    kv_events_config=parse_kv_events_config(_events_config(subscriber))))
+    try:
+        layout = engine.kv_layout
+        assert layout.num_groups > 1
+        _run_workload(engine)
+        engine.flush_connector()
+        engine.generate([[7]], SamplingParams(max_tokens=1, temperature=0))  # reports the last completions
+        publisher = engine.kv_events.publisher
+        got = subscriber.ask(op="collect", until_seq=publisher.num_batches - 1, replay=publisher.replay_endpoint)
+        half = engine.scheduler.connector
+
+        def held(keys) -> list[str]:
+            out = []
+            for key in keys:
+                g, h = int.from_bytes(key[-4:], "big"), str(int.from_bytes(key[:-4], "big") & ((1 << 64) - 1))
+                out.append(h if g == 0 else f"g{g}:{h}")
+            return sorted(out)
+
+        disk = [h + g.to_bytes(4, "big") for g, index in enumerate(half.disk.indexes) for h in index._present]
+        specs = {str(g): [grp.kind, grp.sliding_window] for g, grp in enumerate(layout.groups)}
+        assert got["errors"] == [] and got["mismatched_reencodes"] == 0
+        assert got["counts"]["BlockRemoved"] > 0  # twelve CPU slots for more offload blocks: evictions
+        assert got["media_groups"]["CPU"] == specs and got["media_groups"]["STORAGE"] == specs
+        assert got["state"]["CPU"] == held(half.slots.keys()) and got["state"]["STORAGE"] == held(disk)
+    finally:
+        engine.close()
