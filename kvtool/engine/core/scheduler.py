@@ -420,9 +420,9 @@ class Scheduler:
         fail: the request ends with an error, and the bad block and every later block of the
         request leave the prefix cache. recompute: num_computed_tokens goes back to the first
         bad block, and the rest is computed again; where a sliding-window group holds the null
-        block before the hit's window (entries a recompute from there would write), the request
-        starts over as after a preemption instead (the tier's keys that failed are not matched
-        again, so it recomputes what they held).
+        block among the entries a recompute from there would read (its window before the first bad
+        block) or write, the request starts over as after a preemption instead (the tier's keys
+        that failed are not matched again, so it recomputes what they held).
         """
         self.stats.load_failures += 1
         for t in req.group_block_ids:
@@ -437,7 +437,9 @@ class Scheduler:
         recomputed_from = first * self.block_size
         if req.num_cached_tokens is not None:
             req.num_external_tokens = max(0, min(req.num_external_tokens, recomputed_from - req.num_cached_tokens))
-        if any(b == NULL_BLOCK for t in req.group_block_ids for b in t[first:]) and self.pool.has_null_block:
+        if self.pool.has_null_block and any(
+                NULL_BLOCK in t[first if w is None else max(0, recomputed_from - w + 1) // self.block_size:]
+                for t, w in zip(req.group_block_ids, self.tables.windows)):
             self.running.remove(req)
             self._preempt(req)
             return None

@@ -50,8 +50,9 @@ def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: to
 
 def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool) -> str | None:
     """Why the engine keeps one KV cache group, or None. As vLLM 0.33: a connector that does not
-    move every group (`KVConnector.groups_unsupported`, vLLM's `SupportsHMA`: LMCache's is not,
-    the OffloadingConnector is), whatever the model. kvtool's own limit so far, for a model whose
+    move every group (`KVConnector.groups_unsupported`, vLLM's `SupportsHMA`: LMCache's is not in
+    its peer key modes; the OffloadingConnector, and LMCache's in kvtool's blake3 mode, are),
+    whatever the model. kvtool's own limit so far, for a model whose
     layers would form groups (`grouped`): CUDA (its kernels and graphs take one block table)."""
     ktc = params.kv_transfer_config
     if ktc is not None and ktc.kv_connector is not None:

@@ -187,11 +187,6 @@ class KVPages:
         every device (it has no fp8 index kernels on some); t itself otherwise."""
         return t.view(torch.uint8) if self.quantized else t
 
-    def _one_group(self, what: str) -> None:
-        if self.layout.num_groups != 1:
-            raise ValueError(f"{what} moves the layers of one KV cache group's blocks; these pages have "
-                             f"{self.layout.describe()}")
-
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
@@ -226,11 +221,10 @@ class KVPages:
     def gather(self, block_ids: Sequence[int], layout: Layout = "block_major", num_tokens: int | None = None) -> torch.Tensor:
         """Copy blocks out into a new contiguous tensor.
 
-        block_major: [nb, 2, slots, bs, H, D]; KV_2LTD: [2, L, T, H*D] over the first num_tokens
-        tokens of the blocks (default: all of them; one group's layout only).
+        block_major: [nb, 2, slots, bs, H, D]; KV_2LTD: [2, slots, T, H*D] over the first
+        num_tokens tokens of the blocks (default: all of them), which are one group's (with one
+        group, its slots are every layer).
         """
-        if layout != "block_major":
-            self._one_group(layout)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         blocks = self._bytes(self.tensor).index_select(0, idx).view(self.tensor.dtype)
         if layout == "block_major":
@@ -238,15 +232,13 @@ class KVPages:
         g = self.geometry
         total = len(block_ids) * g.block_size
         n = total if num_tokens is None else num_tokens
-        # [nb, 2, L, bs, H, D] -> [2, L, nb, bs, H, D] -> [2, L, nb*bs, H*D]
-        out = blocks.permute(1, 2, 0, 3, 4, 5).reshape(2, g.num_layers, total, g.kv_hidden_size)
+        # [nb, 2, slots, bs, H, D] -> [2, slots, nb, bs, H, D] -> [2, slots, nb*bs, H*D]
+        out = blocks.permute(1, 2, 0, 3, 4, 5).reshape(2, self.layout.num_slots, total, g.kv_hidden_size)
         return out[:, :, :n].contiguous()
 
     def scatter(self, block_ids: Sequence[int], data: torch.Tensor, layout: Layout = "block_major", num_tokens: int | None = None) -> None:
         """Write a gathered tensor (same layout and shape as `gather` returns) back into blocks.
         An fp8 cache also takes its bytes as uint8 (what vLLM allocates and LMCache moves)."""
-        if layout != "block_major":
-            self._one_group(layout)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         if self.quantized and data.dtype == torch.uint8:
             data = data.view(self.tensor.dtype)
@@ -259,7 +251,7 @@ class KVPages:
         total = len(block_ids) * g.block_size
         n = total if num_tokens is None else num_tokens
         if n == total:
-            blocks = data.reshape(2, g.num_layers, len(block_ids), g.block_size, g.num_kv_heads, g.head_dim)
+            blocks = data.reshape(2, self.layout.num_slots, len(block_ids), g.block_size, g.num_kv_heads, g.head_dim)
             pages.index_copy_(0, idx, blocks.permute(2, 0, 1, 3, 4, 5))
             return
         # Partial last block: write token by token range so the tail of the block is untouched.
@@ -267,5 +259,5 @@ class KVPages:
             lo, hi = i * g.block_size, min((i + 1) * g.block_size, n)
             if hi <= lo:
                 break
-            part = data[:, :, lo:hi].reshape(2, g.num_layers, hi - lo, g.num_kv_heads, g.head_dim)
+            part = data[:, :, lo:hi].reshape(2, self.layout.num_slots, hi - lo, g.num_kv_heads, g.head_dim)
             pages[b, :, :, : hi - lo] = part

@@ -273,8 +273,9 @@ def test_sliding_groups_hold_a_window_not_the_context(model_dir):
 
 def test_a_connector_that_moves_one_group_keeps_one_group(model_dir):
     """As vLLM turns its hybrid manager off for a connector that is not SupportsHMA: one full
-    group with such a connector (a test connector here, LMCache's in use), the model's groups
-    with the OffloadingConnector (tests/engine/connectors/offloading/test_offload_kv_groups.py)."""
+    group with such a connector (a test connector here, LMCache's in a peer key mode in use), the
+    model's groups with the OffloadingConnector (tests/engine/connectors/offloading/test_offload_kv_groups.py)
+    and with LMCache's in its blake3 mode (tests/engine/connectors/lmcache/test_lmcache_kv_groups.py)."""
     from kvtool.engine.connectors.config import parse_kv_transfer_config
 
     one = json.dumps({"kv_connector": "DictConnector", "kv_role": "kv_both",
@@ -343,7 +344,8 @@ def test_groups_under_preemption_async_scheduling_and_two_ranks(model_dir):
 def test_the_flag_is_vllms_three_way_switch(model_dir, run_kvtool):
     """Unset: groups where the engine can; --disable-hybrid-kv-cache-manager: one group;
     --no-disable-hybrid-kv-cache-manager where the engine cannot keep groups: one line and a
-    non-zero exit, as vLLM refuses it (LMCache's connector there, whatever the model)."""
+    non-zero exit, as vLLM refuses it (LMCache's connector in a peer key mode there, whatever the
+    model)."""
     from kvtool.engine.connectors.config import parse_kv_transfer_config
     from kvtool.engine.errors import ConfigError
 
@@ -360,12 +362,13 @@ def test_the_flag_is_vllms_three_way_switch(model_dir, run_kvtool):
     finally:
         engine.close()
     lm = parse_kv_transfer_config('{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both",'
-                                  '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1"}}')
+                                  '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1","hash_algo":"vllm"}}')
     with pytest.raises(ConfigError, match="LMCacheConnectorV1 does not support the hybrid KV cache manager"):
         _engine(model_dir, disable_hybrid_kv_cache_manager=False, kv_transfer_config=lm)
     code, out, err = run_kvtool(["generate", "--model", str(model_dir), "--device", "cpu",
                                  "--no-disable-hybrid-kv-cache-manager", "--kv-transfer-config",
                                  '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both",'
-                                 '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1"}}', "--prompt", "hello"])
+                                 '"kv_connector_extra_config":{"remote_url":"lm://127.0.0.1:1","hash_algo":"vllm"}}',
+                                 "--prompt", "hello"])
     assert code != 0 and "Traceback" not in err
     assert "--no-disable-hybrid-kv-cache-manager: LMCacheConnectorV1 does not support the hybrid" in err

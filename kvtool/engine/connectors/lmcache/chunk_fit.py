@@ -14,6 +14,7 @@ import torch
 
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, MemoryFormat, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, PeerError
+from kvtool.engine.kv.groups import KVCacheLayout
 from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.models.shard_layout import TPRank, kv_head_range
 
@@ -43,10 +44,11 @@ class ChunkGeometry(msgspec.Struct, frozen=True, kw_only=True):
         return 2 * self.num_layers * num_tokens * self.kv_hidden_size * self.element_size
 
 
-def chunk_geometry_of_pages(geometry: KVGeometry) -> ChunkGeometry:
-    """The chunk a rank with these KV pages writes and can load (its geometry is already per rank);
+def chunk_geometry_of_pages(geometry: KVGeometry, layout: KVCacheLayout) -> ChunkGeometry:
+    """The chunk a rank with these KV pages writes and can load (its geometry is already per rank):
+    one KV cache group's blocks, so its layers are the layout's slots (every layer with one group);
     an fp8 cache's chunk is uint8, as vLLM's pages are."""
-    return ChunkGeometry(num_layers=geometry.num_layers, kv_hidden_size=geometry.kv_hidden_size,
+    return ChunkGeometry(num_layers=layout.num_slots, kv_hidden_size=geometry.kv_hidden_size,
                          dtype=geometry.storage_dtype)
 
 

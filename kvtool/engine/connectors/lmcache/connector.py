@@ -13,6 +13,12 @@ a chunk counting only when every rank's key for it is there; the worker half GET
 host buffers, checks each reply against its pages (chunk_fit.py, the check `verify-keys --peer`
 uses too), and scatters them; after the forward it gathers newly completed prompt chunks and
 PUTs them on a background thread.
+
+With KV cache groups (`kv.groups`, blake3 mode only: in the peer modes the engine keeps one
+group, as vLLM turns its hybrid manager off for LMCache) each group's chunk is an object of its
+own, `[2, slots, tokens, kv_heads*head_dim]` of the group's blocks, keyed in a chain of the
+group's own (`make_group_digests`); `connectors.group_chunks` says which chunks a hit needs, a load fills
+and a store may take.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.chunk_fit import chunk_geometry_of_pages, chunk_problem
-from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
+from kvtool.engine.connectors.group_chunks import GroupChunks
+from kvtool.engine.connectors.lmcache.identity_digest import make_group_digests, make_identity_digest
 from kvtool.engine.connectors.lmcache.keys import (
     LMCacheKeySettings,
     check_request_tags,
@@ -58,12 +65,13 @@ from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-export
     DEFAULT_HOST,  # noqa: F401
     DEFAULT_PORT,  # noqa: F401
     LMCacheSettings,
+    parse_hash_algo,
     parse_settings,
 )
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header, tensor_buffer
 from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.stores.store_factory import open_store
-from kvtool.engine.errors import KVRefused, KVToolError, PeerError
+from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
 from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.models.shard_layout import TPRank
 
@@ -74,8 +82,9 @@ class ChunkJob(msgspec.Struct, kw_only=True):
     key: str
     start: int  # first token of the chunk
     end: int  # one past its last token
-    skip: int  # leading tokens of the chunk already in the pages (a local hit): not written
-    block_ids: list[int]  # engine blocks covering [start, end)
+    skip: int  # leading tokens of the chunk not written: a local hit, or null blocks below a window
+    block_ids: list[int]  # the group's engine blocks covering [start, end)
+    tokens: int  # tokens the job counts as loaded or stored (a chunk counts once, whatever its groups)
 
 
 class LMCacheMetadata(KVConnectorMetadata):
@@ -98,9 +107,22 @@ def _request_tags(request) -> dict[str, str]:
     return tags
 
 
-def _request_keys(request, key_settings: LMCacheKeySettings):
-    tags = _request_tags(request)
-    return make_chunk_keys(request.prompt_token_ids, key_settings, tags=tags or None)
+def _request_keys(request, group_key_settings: list[LMCacheKeySettings]) -> list[list]:
+    """Each KV cache group's chunk keys of the request's prompt, in group order."""
+    tags = _request_tags(request) or None
+    return [make_chunk_keys(request.prompt_token_ids, ks, tags=tags) for ks in group_key_settings]
+
+
+def _group_key_settings(ctx: ConnectorContext, key_settings: LMCacheKeySettings) -> list[LMCacheKeySettings]:
+    """The key settings of each KV cache group's chunks: blake3 keys carry the group's own identity
+    digest; the peer modes key as LMCache does, for the one group the engine keeps with them."""
+    layout = ctx.kv_layout
+    if key_settings.identity_digest is None:
+        if layout.num_groups != 1:
+            raise ConfigError(f"LMCache hash_algo {key_settings.hash_algo!r} keys one KV cache group, "
+                              f"as LMCache in vLLM; this engine has {layout.describe()}")
+        return [key_settings]
+    return [msgspec.structs.replace(key_settings, identity_digest=d) for d in make_group_digests(ctx.identity, layout)]
 
 
 class _Lookup(msgspec.Struct):
@@ -108,6 +130,7 @@ class _Lookup(msgspec.Struct):
 
     num_computed_tokens: int  # the local hit it was asked with
     first: int  # index of the first chunk asked about
+    last: int  # one past the last (every group's chunks of [first, last), chunk by chunk)
     future: Future
     started_s: float  # time.monotonic()
 
@@ -127,7 +150,10 @@ class LMCacheScheduler(SchedulerHalf):
         self.client = client
         self.block_size = ctx.identity.geometry.block_size
         self.cs = key_settings.chunk_tokens
-        self.keys: dict[str, list] = {}
+        self.groups = GroupChunks(ctx.kv_layout, self.block_size, self.cs)
+        self.group_key_settings = _group_key_settings(ctx, key_settings)
+        # request id -> each group's chunk keys of its prompt
+        self.keys: dict[str, list[list]] = {}
         # request id -> (local hit it was asked with, matched tokens); lookups hit the network once.
         self.lookups: dict[str, tuple[int, int]] = {}
         self.inflight_lookups: dict[str, _Lookup] = {}
@@ -141,10 +167,10 @@ class LMCacheScheduler(SchedulerHalf):
         # Each rank stores its own shard under its own worker_id: a chunk is a hit only when all are there.
         self.num_ranks = key_settings.world_size
 
-    def _keys(self, request) -> list:
+    def _keys(self, request) -> list[list]:
         keys = self.keys.get(request.request_id)
         if keys is None:
-            keys = self.keys[request.request_id] = _request_keys(request, self.key_settings)
+            keys = self.keys[request.request_id] = _request_keys(request, self.group_key_settings)
         return keys
 
     def check_request(self, request) -> None:
@@ -165,21 +191,23 @@ class LMCacheScheduler(SchedulerHalf):
         keys = self._keys(request)
         first = num_computed_tokens // self.cs
         # Whole chunks, the last one too: on a full hit the scheduler leaves only the last token
-        # to compute, and the load still writes that token's chunk whole.
-        last = min(request.num_tokens // self.cs, len(keys))
+        # to compute, and the load still writes that token's chunk whole. A trailing partial
+        # chunk (save_unfull_chunk) is never a hit.
+        last = min(request.num_tokens, request.num_prompt_tokens) // self.cs
         if self.refused:
-            last = next((i for i in range(first, last) if keys[i].key in self.refused), last)
+            last = next((i for i in range(first, last)
+                         if any(keys[g][i].key in self.refused for g in self.groups.full_groups)), last)
         if last <= first:
             self.lookups[rid] = (num_computed_tokens, 0)
             return 0, False
         lookup = self.inflight_lookups.get(rid)
         if lookup is None or lookup.num_computed_tokens != num_computed_tokens:
-            wanted = [k.key for k in keys[first:last] if k.end - k.start == self.cs]
+            wanted = [group_keys[i].key for i in range(first, last) for group_keys in keys]
             try:
                 future = self._lookup_pool.submit(self._exist_on_every_rank, wanted)
             except RuntimeError:  # shut down
                 return 0, False
-            self.inflight_lookups[rid] = _Lookup(num_computed_tokens, first, future, time.monotonic())
+            self.inflight_lookups[rid] = _Lookup(num_computed_tokens, first, last, future, time.monotonic())
             return None, False
         if not lookup.future.done():
             if time.monotonic() - lookup.started_s < self.settings.lookup_timeout_s:
@@ -194,12 +222,15 @@ class LMCacheScheduler(SchedulerHalf):
         except KVToolError as e:
             logger.warning("LMCache lookup failed, computing instead: %s", e)
             present = []
-        n = 0
-        for hit, key in zip(present, keys[lookup.first :]):
-            if not hit or key.key in self.refused:  # refused after the lookup was asked
-                break
-            n += 1
-        hit_end = min((lookup.first + n) * self.cs, request.num_tokens - 1)
+        num_groups = self.groups.num_groups
+
+        def available(i: int, g: int) -> bool:
+            at = (i - lookup.first) * num_groups + g
+            # A chunk refused after the lookup was asked is a miss too.
+            return at < len(present) and present[at] and keys[g][i].key not in self.refused
+
+        end = self.groups.longest_hit(available, lookup.first, lookup.last, num_computed_tokens, request.num_tokens)
+        hit_end = self.groups.hit_end(request.num_tokens, end)
         return self._settle(rid, num_computed_tokens, max(0, hit_end - num_computed_tokens))
 
     def _exist_on_every_rank(self, keys: list[str]) -> list[bool]:
@@ -225,13 +256,28 @@ class LMCacheScheduler(SchedulerHalf):
         if num_external_tokens <= 0:
             return
         keys = self._keys(request)
+        tables = request.group_block_ids
         bs = self.block_size
-        for i in range(start // self.cs, -(-end // self.cs)):
-            k = keys[i]
-            self.pending_loads.append(
-                ChunkJob(request_id=request.request_id, key=k.key, start=k.start, end=k.end,
-                         skip=max(0, start - k.start), block_ids=block_ids[k.start // bs : -(-k.end // bs)])
-            )
+        chunks = range(start // self.cs, -(-end // self.cs))
+        # Every group's chunks that the load reads, chunk by chunk; a chunk's tokens are counted
+        # by its first job (the request's first job counts the chunks no group reads: those a
+        # window left behind).
+        loads: list[ChunkJob] = []
+        counted: set[int] = set()
+        for i in chunks:
+            for g, table in enumerate(tables):
+                if i not in self.groups.chunks(g, start, end):
+                    continue
+                k = keys[g][i]
+                first_token = max(start, self.groups.first_block(g, start, end) * bs)
+                loads.append(ChunkJob(request_id=request.request_id, key=k.key, start=k.start, end=k.end,
+                                      skip=max(0, first_token - k.start),
+                                      block_ids=table[k.start // bs : -(-k.end // bs)],
+                                      tokens=0 if i in counted else k.end - max(start, k.start)))
+                counted.add(i)
+        if loads:
+            loads[0].tokens += sum(keys[0][i].end - max(start, keys[0][i].start) for i in chunks if i not in counted)
+        self.pending_loads.extend(loads)
 
     def build_connector_meta(self, scheduler_output) -> LMCacheMetadata:
         stores: list[ChunkJob] = []
@@ -250,13 +296,20 @@ class LMCacheScheduler(SchedulerHalf):
         if self.settings.offload_prompt_only:
             done = min(done, req.num_prompt_tokens)
         keys = self._keys(req)
+        tables = req.group_block_ids
         bs = self.block_size
         jobs = []
         i = self.next_store.get(req.request_id, 0)
-        while i < len(keys) and keys[i].end <= done:
-            k = keys[i]
-            jobs.append(ChunkJob(request_id=req.request_id, key=k.key, start=k.start, end=k.end, skip=0,
-                                 block_ids=req.block_ids[k.start // bs : -(-k.end // bs)]))
+        while i < len(keys[0]) and keys[0][i].end <= done:
+            # Every group's chunk whose blocks are all in the group's table; the chunk's tokens
+            # count as stored once, by the first of them.
+            tokens = keys[0][i].end - keys[0][i].start
+            for g, table in enumerate(tables):
+                if self.groups.storable(table, i):
+                    k = keys[g][i]
+                    jobs.append(ChunkJob(request_id=req.request_id, key=k.key, start=k.start, end=k.end, skip=0,
+                                         block_ids=table[k.start // bs : -(-k.end // bs)], tokens=tokens))
+                    tokens = 0
             i += 1
         self.next_store[req.request_id] = i
         return jobs
@@ -295,7 +348,9 @@ class LMCacheWorker(WorkerHalf):
         self.client = client
         # This rank's pages: its KV-head shard (the identity's geometry is already per rank).
         self.geometry: KVGeometry = ctx.identity.geometry
-        self.chunk_geometry = chunk_geometry_of_pages(self.geometry)
+        # A chunk holds one KV cache group's blocks: its layers are the pages' slots.
+        self.chunk_geometry = chunk_geometry_of_pages(self.geometry, ctx.kv_layout)
+        self.num_slots = ctx.kv_layout.num_slots
         self.worker_id = settings.worker_id
         self.dtype = getattr(torch, self.geometry.storage_dtype)  # an fp8 cache's chunks are uint8
         self.pin = ctx.identity.device_type == "cuda"
@@ -309,7 +364,7 @@ class LMCacheWorker(WorkerHalf):
         self._secret = payload_secret() if settings.verify_payload else None
 
     def _ensure_pool(self, n: int) -> None:
-        """Host buffers [2, L, chunk_tokens, H*D] for n chunks, allocated once and reused.
+        """Host buffers [2, slots, chunk_tokens, H*D] for n chunks, allocated once and reused.
 
         Pinned on CUDA engines, so GETs land where the copy engine reads; pinning is slow (it
         grows with the size), which must not be paid per load.
@@ -317,7 +372,8 @@ class LMCacheWorker(WorkerHalf):
         g = self.geometry
         while len(self._pool) < n:
             self._pool.append(
-                torch.empty((2, g.num_layers, self.chunk_tokens, g.kv_hidden_size), dtype=self.dtype, pin_memory=self.pin)
+                torch.empty((2, self.num_slots, self.chunk_tokens, g.kv_hidden_size), dtype=self.dtype,
+                            pin_memory=self.pin)
             )
 
     def bind_connector_metadata(self, meta: LMCacheMetadata) -> None:
@@ -331,7 +387,7 @@ class LMCacheWorker(WorkerHalf):
 
     def _expected(self, num_tokens: int) -> ChunkHeader:
         g = self.geometry
-        return kv_chunk_header((2, g.num_layers, num_tokens, g.kv_hidden_size), self.dtype)
+        return kv_chunk_header((2, self.num_slots, num_tokens, g.kv_hidden_size), self.dtype)
 
     def start_load_kv(self) -> None:
         loads = self._meta.loads
@@ -390,16 +446,16 @@ class LMCacheWorker(WorkerHalf):
             if isinstance(result, KVToolError):
                 raise result
             self._refuse_reply(result, job)
-            # The bytes arrived as a contiguous [2, L, n, H*D] at the head of the pooled buffer.
-            buf = pooled.reshape(-1)[: 2 * self.geometry.num_layers * n * self.geometry.kv_hidden_size]
-            buf = buf.view(2, self.geometry.num_layers, n, self.geometry.kv_hidden_size)
+            # The bytes arrived as a contiguous [2, slots, n, H*D] at the head of the pooled buffer.
+            buf = pooled.reshape(-1)[: 2 * self.num_slots * n * self.geometry.kv_hidden_size]
+            buf = buf.view(2, self.num_slots, n, self.geometry.kv_hidden_size)
             if digest is not None:
                 refuse_payload(job.key, tensor_buffer(buf), digest[0], digest[1], self._secret)
             # Only the tokens beyond the local hit; that hit is block-aligned.
             first_block = job.skip // bs
             self.kv_pages.scatter(job.block_ids[first_block:], buf[:, :, job.skip :], "KV_2LTD", n - job.skip)
             self.stats.bytes_loaded += result.length
-            self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + n - job.skip
+            self.stats.tokens_loaded[job.request_id] = self.stats.tokens_loaded.get(job.request_id, 0) + job.tokens
         except KVToolError as e:
             self.stats.load_failures += 1
             for b in job.block_ids[job.skip // bs :]:
@@ -444,8 +500,8 @@ class LMCacheWorker(WorkerHalf):
                 if stored:
                     self._stored.append(key_for_worker(job.key, 0) if self.worker_id else job.key)
                     self.stats.bytes_stored += buf.numel() * buf.element_size()
-                    n = job.end - job.start
-                    self.stats.tokens_stored[job.request_id] = self.stats.tokens_stored.get(job.request_id, 0) + n
+                    stored_tokens = self.stats.tokens_stored.get(job.request_id, 0) + job.tokens
+                    self.stats.tokens_stored[job.request_id] = stored_tokens
             self.stats.store_s += time.perf_counter() - t0
 
     def take_completions(self) -> LMCacheCompletions | None:
@@ -468,6 +524,14 @@ class LMCacheWorker(WorkerHalf):
 class LMCacheConnector(KVConnector):
     scheduler_half = LMCacheScheduler
     worker_half = LMCacheWorker
+
+    @classmethod
+    def groups_unsupported(cls, config) -> str | None:
+        # kvtool's own blake3 keys move every group; the peer modes key what LMCache 0.5.6 keys
+        # inside vLLM 0.33, which turns its hybrid manager off for LMCache (not SupportsHMA).
+        if parse_hash_algo(dict(config.kv_connector_extra_config)) == "blake3":
+            return None
+        return "does not support the hybrid KV cache manager (as in vLLM)"
 
     @classmethod
     def hit_unit_tokens(cls, config, block_size: int) -> int:
@@ -501,7 +565,7 @@ class LMCacheConnector(KVConnector):
             address = store_address(settings.remote_url, save_unfull_chunk=settings.save_unfull_chunk,
                                     valkey_enable_ttl=settings.valkey_enable_ttl, valkey_ttl_sec=settings.valkey_ttl_sec)
         g = ctx.identity.geometry
-        full_chunk = kv_chunk_header((2, g.num_layers, settings.chunk_tokens, g.kv_hidden_size),
+        full_chunk = kv_chunk_header((2, ctx.kv_layout.num_slots, settings.chunk_tokens, g.kv_hidden_size),
                                      getattr(torch, g.storage_dtype))
         return open_store(address, connections=connections, timeout_s=settings.timeout_s, chunk_header=full_chunk,
                           valkey_ttl_s=address.ttl_s, backoff_s=settings.peer_backoff_s)

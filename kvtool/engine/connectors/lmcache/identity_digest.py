@@ -15,6 +15,12 @@ every chunk as rank 0 and each rank swaps in its own worker id, so the digest mu
 same on every rank), the block size (a chunk is KV_2LTD whatever the pages' block size), the
 engine's prefix-cache hash settings, the engine id and the device. Identical engines get the
 same digest in every process and after every restart.
+
+With several KV cache groups (`kv.groups`) each group's chunks are objects of their own: a group's
+digest (`make_group_digests`) also covers its index, the number of groups, its layers, its window
+and the slots per block, so each group's keys form a chain of their own: another group's chunk,
+or a one-group engine's, has another key and is a miss. One group keeps the engine's digest, so
+the keys of a one-group engine are what they were before groups.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import msgspec
 
 if TYPE_CHECKING:  # base imports torch (kv_pages); this module needs only the identity's fields
     from kvtool.engine.connectors.base import EngineIdentity
+    from kvtool.engine.kv.groups import KVCacheLayout
 
 # Bumped if the chunk bytes of an unchanged engine ever change meaning: old keys then miss.
 CHUNK_FORMAT = "KV_2LTD/1"
@@ -57,3 +64,25 @@ def make_identity_digest(identity: EngineIdentity) -> str:
         "pp_size": identity.pp_size,
     }
     return blake3.blake3(msgspec.json.encode(fields, order="sorted")).hexdigest()
+
+
+def make_group_digests(identity: EngineIdentity, layout: KVCacheLayout) -> list[str]:
+    """The identity digest of each KV cache group's keys, in group order (the module docstring
+    says what it covers); one group: [make_identity_digest(identity)].
+
+    Pure; the same for every tensor-parallel rank of one engine.
+    """
+    base = make_identity_digest(identity)
+    if layout.num_groups == 1:
+        return [base]
+    return [
+        blake3.blake3(msgspec.json.encode({
+            "identity_digest": base,
+            "kv_cache_group": g,
+            "num_groups": layout.num_groups,
+            "layers": list(group.layers),
+            "sliding_window": group.sliding_window,
+            "num_slots": layout.num_slots,
+        }, order="sorted")).hexdigest()
+        for g, group in enumerate(layout.groups)
+    ]

@@ -93,6 +93,14 @@ def check_host(host: str, where: str) -> str:
     return host
 
 
+def parse_hash_algo(extra: dict) -> str:
+    """The key mode the extra config asks for: blake3 (kvtool's own), vllm (sha256_cbor too),
+    builtin or sha256. Raises ConfigError (one line naming the key) as parse_settings does for
+    an unknown key or a value outside its range."""
+    s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
+    return "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
+
+
 def parse_settings(
     extra: dict, model_name: str, kv_dtype: str, block_size: int, tp: TPRank | None = None,
     identity_digest: str | None = None,

@@ -29,12 +29,12 @@ from __future__ import annotations
 import itertools
 
 from kvtool.engine.connectors.base import ConnectorContext, SchedulerHalf
+from kvtool.engine.connectors.group_chunks import GroupChunks
 from kvtool.engine.connectors.offloading.cpu_tier import SlotIndex
 from kvtool.engine.connectors.offloading.disk.group_tiers import GroupDiskIndex
 from kvtool.engine.connectors.offloading.eviction import RequestAccess
 from kvtool.engine.connectors.offloading.jobs import LoadJob, OffloadingCompletions, OffloadingMetadata, StoreJob
 from kvtool.engine.connectors.offloading.store_filter import make_offer_counter
-from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.core.messages import KVConnectorOutput
 from kvtool.engine.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, OffloadEventRecorder, event_extra_keys
 from kvtool.engine.outputs import CPUTierUsage
@@ -68,12 +68,8 @@ class OffloadingScheduler(SchedulerHalf):
         self.obt = settings.offload_block_tokens or self.block_size
         self.blocks_per_offload = self.obt // self.block_size
         layout = ctx.kv_layout
-        self.windows = [g.sliding_window for g in layout.groups]
-        self.full_groups = [g for g, w in enumerate(self.windows) if w is None]
-        self.sliding_groups = [g for g, w in enumerate(self.windows) if w is not None]
+        self.groups = GroupChunks(layout, self.block_size, self.obt)
         self.suffixes = [g.to_bytes(4, "big") for g in range(layout.num_groups)]
-        # Whether block 0 is the pool's null block (entries freed behind a window, never stored).
-        self.has_null_block = layout.hybrid
         # The groups' BlockStored annotations (kvtool's groups only; one group keeps vLLM's plain ones).
         self.group_specs = [(g.kind, g.sliding_window) for g in layout.groups] if layout.hybrid else []
         self.requests: dict = {}
@@ -140,32 +136,9 @@ class OffloadingScheduler(SchedulerHalf):
         # Whole offload blocks, the last one too: on a full hit the scheduler leaves only the last
         # token to compute, and the load still fills that token's block whole.
         last = min(request.num_tokens // self.obt, len(request.block_hashes) // self.blocks_per_offload)
-        first = num_computed_tokens // self.obt
-        end = first
-        while end < last and all(self._available(self._key(request, end, g)) for g in self.full_groups):
-            end += 1
-        # Each sliding-window group needs its window's chunks at the hit's end: the longest end
-        # (at most the full groups') where every one has them.
-        while end > first and not all(
-                self._available(self._key(request, j, g))
-                for g in self.sliding_groups for j in self._chunks(g, num_computed_tokens, self._hit_end(request, end))):
-            end -= 1
-        return max(0, self._hit_end(request, end) - num_computed_tokens), False
-
-    def _hit_end(self, request, chunks: int) -> int:
-        """The tokens computed after a hit of `chunks` offload blocks (the last token is computed)."""
-        return min(chunks * self.obt, request.num_tokens - 1)
-
-    def _first_block(self, g: int, start: int, end: int) -> int:
-        """The first of group g's blocks a load of tokens [start, end) fills: a sliding-window
-        group's entries that no token from `end` on attends are the null block."""
-        first = start // self.block_size
-        w = self.windows[g]
-        return first if w is None else max(first, max(0, end - w + 1) // self.block_size)
-
-    def _chunks(self, g: int, start: int, end: int) -> range:
-        """Group g's offload blocks a load of tokens [start, end) reads."""
-        return range(self._first_block(g, start, end) // self.blocks_per_offload, -(-end // self.obt))
+        end = self.groups.longest_hit(lambda j, g: self._available(self._key(request, j, g)),
+                                      num_computed_tokens // self.obt, last, num_computed_tokens, request.num_tokens)
+        return max(0, self.groups.hit_end(request.num_tokens, end) - num_computed_tokens), False
 
     def _load_tokens(self, j: int, start: int, end: int) -> int:
         """The tokens of a load of [start, end) that fall in offload block j, in whole engine blocks."""
@@ -187,7 +160,8 @@ class OffloadingScheduler(SchedulerHalf):
         k = self.blocks_per_offload
         tables = request.group_block_ids
         # (chunk, group) -> key, for every group's chunks of the load, chunk by chunk.
-        keys = {(j, g): self._key(request, j, g) for g in range(len(self.windows)) for j in self._chunks(g, start, end)}
+        groups = self.groups
+        keys = {(j, g): self._key(request, j, g) for g in range(groups.num_groups) for j in groups.chunks(g, start, end)}
         access = self._access(rid)
         slots: dict[tuple[int, int], int | None] = {}
         for (j, g), key in keys.items():
@@ -210,7 +184,7 @@ class OffloadingScheduler(SchedulerHalf):
         counted: set[int] = set()
         loads: list[LoadJob] = []
         for (j, g), key in sorted(keys.items()):
-            lo = max(j * k, self._first_block(g, start, end))
+            lo = max(j * k, groups.first_block(g, start, end))
             hi = min((j + 1) * k, -(-end // self.block_size))
             slot = slots[j, g]
             from_disk = slots_before_promotion[j, g] is None
@@ -254,11 +228,10 @@ class OffloadingScheduler(SchedulerHalf):
         if first >= full:
             return []
         hit_end = self.hit_chunks.get(rid, 0)
-        k = self.blocks_per_offload
         tables = req.group_block_ids
         # Every group's chunk whose blocks are all in the group's table (none freed behind a window).
-        offer = {(j, g): self._key(req, j, g) for j in range(first, full) for g in range(len(self.windows))
-                 if not (self.has_null_block and NULL_BLOCK in tables[g][j * k : (j + 1) * k])}
+        offer = {(j, g): self._key(req, j, g) for j in range(first, full) for g in range(self.groups.num_groups)
+                 if self.groups.storable(tables[g], j)}
         if self.offer_counter is not None:
             self.offer_counter.record_offer([key for (j, _), key in offer.items() if j >= hit_end])
         access = self._access(rid)
