@@ -22,9 +22,9 @@ from kvtool.engine.core.kv_blocks import GroupTables
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.kv.groups import KVCacheGroup, KVCacheLayout, plan_layout, single_group
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
 from kvtool.peer.env import peer_env
 from tests.support.peer_server import require_peer_python
+from tests.support.window_models import WINDOW_PRESETS, window_model_dir
 
 PEER_HITS = Path(__file__).resolve().parents[2] / "support" / "peer_vllm_hits.py"
 
@@ -189,12 +189,9 @@ def test_hits_equal_vllms_coordinator_on_random_caches():
 # ---- the engine -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny-gemma3", "tiny-gemma2", "tiny-mistral"])
+@pytest.fixture(scope="module", params=WINDOW_PRESETS)
 def model_dir(request, tmp_path_factory):
-    preset = PRESETS[request.param]
-    d = tmp_path_factory.mktemp("groups") / request.param
-    write_random_model_dir(d, {**preset.hf_config, "sliding_window": WINDOW}, seed=5, tokenizer=preset.tokenizer)
-    return d
+    return window_model_dir(tmp_path_factory.mktemp("groups"), request.param, WINDOW)
 
 
 def _engine(model_dir, **overrides) -> LLMEngine:

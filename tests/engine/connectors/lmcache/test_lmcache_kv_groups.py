@@ -26,17 +26,13 @@ from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.groups import single_group
 from tests.conftest import kvtool_cmd
+from tests.support.window_models import WINDOW_PRESETS, window_model_dir
 from tests.engine.connectors.offloading.test_offload_kv_groups import (
     BS, GREEDY, LONG, PROMPTS, _engine, _reference, _same)
 
-@pytest.fixture(scope="module", params=["tiny-gemma3", "tiny-gemma2", "tiny-mistral"])
+@pytest.fixture(scope="module", params=WINDOW_PRESETS)
 def model_dir(request, tmp_path_factory):
-    from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
-
-    preset = PRESETS[request.param]
-    d = tmp_path_factory.mktemp("lmcache-groups") / request.param
-    write_random_model_dir(d, {**preset.hf_config, "sliding_window": 32}, seed=5, tokenizer=preset.tokenizer)
-    return d
+    return window_model_dir(tmp_path_factory.mktemp("lmcache-groups"), request.param)
 
 
 def _ktc(server, policy: str = "fail", **extra) -> str:

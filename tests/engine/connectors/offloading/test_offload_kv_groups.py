@@ -18,8 +18,8 @@ from kvtool.engine.connectors.offloading.disk.tier_identity import tier_digest
 from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.engine.presets.catalog import PRESETS, write_random_model_dir
 from tests.conftest import kvtool_cmd
+from tests.support.window_models import WINDOW_PRESETS, window_model_dir
 
 BS = 16
 WINDOW = 32
@@ -29,12 +29,9 @@ PROMPTS = [PREFIX + [(i * 13 + k * 7) % 240 + 5 for i in range(n)] for k, n in e
 LONG = [(i * 29 + 3) % 240 + 5 for i in range(300)]
 
 
-@pytest.fixture(scope="module", params=["tiny-gemma3", "tiny-gemma2", "tiny-mistral"])
+@pytest.fixture(scope="module", params=WINDOW_PRESETS)
 def model_dir(request, tmp_path_factory):
-    preset = PRESETS[request.param]
-    d = tmp_path_factory.mktemp("offload-groups") / request.param
-    write_random_model_dir(d, {**preset.hf_config, "sliding_window": WINDOW}, seed=5, tokenizer=preset.tokenizer)
-    return d
+    return window_model_dir(tmp_path_factory.mktemp("offload-groups"), request.param, WINDOW)
 
 
 def _ktc(root: Path, obt: int = BS, **extra) -> str:
