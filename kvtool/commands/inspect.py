@@ -101,16 +101,10 @@ def identities_for_model_dir(model_dir: Path, engine: EngineParams) -> list[KVId
     """The identities an engine for `model_dir` with `engine`'s flags would write under: one, or
     one per KV cache group where its layout has several (the OffloadingConnector's groups, or
     --disable-hybrid-kv-cache-manager for one)."""
-    from kvtool.engine.connectors.offloading.disk.group_tiers import group_identities
-    from kvtool.engine.kv.cache_size import kv_cache_layout
-    from kvtool.engine.kv.identity import resolve_device
-    from kvtool.engine.models.model_dir import open_model_dir
+    from kvtool.engine.connectors.offloading.connector import group_identities
+    from kvtool.engine.kv.identity import layout_for_model
 
-    identity = identity_for_model_dir(model_dir, engine)
-    config = open_model_dir(model_dir).config
-    max_model_len = engine.max_model_len or config.max_position_embeddings
-    layout = kv_cache_layout(engine, config, max_model_len, resolve_device(engine.device))
-    return group_identities(identity, layout)
+    return group_identities(identity_for_model_dir(model_dir, engine), layout_for_model(model_dir, engine))
 
 
 def render_report(report: TierReport, identity: KVIdentity | Sequence[KVIdentity] | None = None,

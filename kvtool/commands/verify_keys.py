@@ -8,6 +8,10 @@ Three checks, each a finding when it fails (exit 1), never an error:
 * `--peer lm://HOST:PORT`: which keys a running LMCache server holds, and whether each stored
   chunk's geometry fits the model (`probe_chunks`).
 
+In blake3 mode the keys are those of an engine with the same flags: where that engine keeps
+several KV cache groups (`kv.groups`), one key per group per chunk, in a chain of the group's
+own (`identity_digest.make_group_key_settings`, the connector's), each chunk one group's `[2, slots, ...]`.
+
 The command's logic lives here; `cli.py` registers `verify_keys`. Importing this module has no
 side effects.
 """
@@ -33,12 +37,18 @@ from kvtool.engine.presets.default_model import DEFAULT_MODEL_NAME, is_default_m
 from kvtool.peer.compare import KeyComparison, compare_with_peer, lmcache_request
 from kvtool.peer.env import peer_python as default_peer_python
 
-if TYPE_CHECKING:  # the probe needs torch, which only --peer should import
+if TYPE_CHECKING:  # the probe needs torch, which only --peer and blake3 should import
+    import torch
+
     from kvtool.engine.connectors.lmcache.probe import ChunkProbe
+    from kvtool.engine.kv.identity import KVCacheLayout
 
 # The hash modes a user picks from; LMCache's name for each that it has.
 CLI_HASH_ALGOS = ("vllm", "builtin", "blake3")
 _LMCACHE_HASH_ALGO = {"vllm": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256", "builtin": "builtin"}
+# The connector of a writer of blake3 keys, whose KV cache groups `kv_cache_layout` decides.
+BLAKE3_WRITER = ('{"kv_connector": "LMCacheConnector", "kv_role": "kv_both", '
+                 '"kv_connector_extra_config": {"hash_algo": "blake3"}}')
 # Importing LMCache and vLLM can take tens of seconds on a small busy machine; the hashing is fast.
 PEER_TIMEOUT_S = 600.0
 MAX_PEER_PROCESSES = 4  # at once; each holds torch, LMCache and vLLM (about 0.5 GB)
@@ -70,17 +80,28 @@ def build_key_report(tokens: Sequence[int], settings: LMCacheKeySettings) -> lis
 # ----------------------------------------------------------------------------- the report
 
 
+class ChunkGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV cache group whose chunk a row keys (blake3 keys of a writer with several groups)."""
+
+    index: int  # in the writer's layout (kv.groups)
+    kind: str  # full_attention or sliding_window (vLLM's KVCacheSpecKind)
+    sliding_window: int | None  # None for full attention
+    layers: list[int]  # the model's layers in the group's slots
+
+
 class ChunkRow(msgspec.Struct, kw_only=True):
     """One chunk of `kvtool verify-keys --json` (scripts rely on these names).
 
     `start`, `end` and `key` are always there. The other fields appear only with the flag that
-    fills them, and `sequence` only when the token file holds several sequences.
+    fills them, `sequence` only when the token file holds several sequences, and `group` only
+    for blake3 keys of a writer with several KV cache groups (a row per group per chunk).
     """
 
     sequence: int | UnsetType = UNSET  # index of the sequence in the token file (JSON Lines)
     start: int
     end: int
     key: str | None  # kvtool's key; None only where LMCache keyed a chunk kvtool did not
+    group: ChunkGroup | UnsetType = UNSET  # the KV cache group the key and the chunk are of
     # --against-lmcache
     lmcache_key: str | None | UnsetType = UNSET  # LMCache's key for this chunk
     agrees: bool | UnsetType = UNSET
@@ -124,6 +145,21 @@ def build_rows(
     return rows
 
 
+def build_group_rows(
+    ours: Sequence[Sequence[Sequence[ChunkKey]]], layout: KVCacheLayout, probes: dict[str, ChunkProbe] | None = None
+) -> list[ChunkRow]:
+    """The report rows of a writer with several KV cache groups: `ours[g]` is group g's keys of
+    each sequence; chunk by chunk, a row per group in group order."""
+    by_group = []
+    for g, (group, group_keys) in enumerate(zip(layout.groups, ours)):
+        rows = build_rows(group_keys, probes=probes)
+        ref = ChunkGroup(index=g, kind=group.kind, sliding_window=group.sliding_window, layers=list(group.layers))
+        for row in rows:
+            row.group = ref
+        by_group.append(rows)
+    return [row for chunk_rows in zip(*by_group) for row in chunk_rows]
+
+
 def exit_status(rows: Sequence[ChunkRow]) -> int:
     """1 when a key disagrees with LMCache's or a present chunk does not fit; else 0."""
     return 1 if any(r.agrees is False or r.fits is False for r in rows) else 0
@@ -132,13 +168,14 @@ def exit_status(rows: Sequence[ChunkRow]) -> int:
 def render_table(rows: Sequence[ChunkRow], peer_url: str | None = None) -> Table:
     """The human form of the report: one line per chunk, a summary as the caption."""
     many = any(r.sequence is not UNSET for r in rows)
+    grouped = any(r.group is not UNSET for r in rows)
     against = any(r.agrees is not UNSET for r in rows)
     probed = peer_url is not None
     any_differs = any(r.agrees is False for r in rows)
     any_problem = any(isinstance(r.problem, str) for r in rows)
 
     table = Table(show_edge=False)
-    columns = (["seq"] if many else []) + ["start", "end", "key"]
+    columns = (["seq"] if many else []) + ["start", "end"] + (["group"] if grouped else []) + ["key"]
     if against:
         columns += ["LMCache"] + (["LMCache key"] if any_differs else [])
     if probed:
@@ -146,7 +183,8 @@ def render_table(rows: Sequence[ChunkRow], peer_url: str | None = None) -> Table
     for name in columns:
         table.add_column(name, justify="right" if name in ("seq", "start", "end") else "left", overflow="fold")
     for r in rows:
-        cells = ([str(r.sequence)] if many else []) + [str(r.start), str(r.end), r.key or "-"]
+        cells = ([str(r.sequence)] if many else []) + [str(r.start), str(r.end)]
+        cells += ([_group_cell(r.group)] if grouped else []) + [r.key or "-"]
         if against:
             cells.append("agrees" if r.agrees else "[red]DIFFERS[/red]")
             if any_differs:
@@ -165,8 +203,16 @@ def render_table(rows: Sequence[ChunkRow], peer_url: str | None = None) -> Table
     return table
 
 
+def _group_cell(group: ChunkGroup) -> str:
+    kind = "full" if group.sliding_window is None else f"window {group.sliding_window}"
+    return f"{group.index}: {kind}, layers {','.join(map(str, group.layers))}"
+
+
 def _summary(rows: Sequence[ChunkRow], against: bool, peer_url: str | None) -> str:
     parts = [f"{sum(r.key is not None for r in rows)} keys"]
+    num_groups = len({r.group.index for r in rows if r.group is not UNSET})
+    if num_groups:
+        parts[0] += f" of {num_groups} KV cache groups"
     if against:
         differ = sum(r.agrees is False for r in rows)
         parts.append(f"{differ} differ from LMCache's" if differ else "all equal to LMCache's")
@@ -208,7 +254,18 @@ KVDtypeOpt = Annotated[Optional[str], typer.Option(
     "stores on --device (float32 on CPU, bfloat16 on CUDA).",
 )]
 DeviceOpt = Annotated[str, typer.Option(
-    "--device", help="With --peer and no --kv-dtype: the writer's device (auto, cpu or cuda), which sets the KV dtype.",
+    "--device", help="The writer's device (auto, cpu or cuda): with --peer and no --kv-dtype it sets the KV dtype; "
+    "with blake3, the KV cache groups (one on CUDA so far).",
+)]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option(
+    "--max-model-len", show_default=False,
+    help="blake3: the writer's --max-model-len (default: the model's), which decides whether a sliding window "
+    "binds, and so the KV cache groups.",
+)]
+DisableHybridOpt = Annotated[Optional[bool], typer.Option(
+    "--disable-hybrid-kv-cache-manager/--no-disable-hybrid-kv-cache-manager", show_default=False,
+    help="blake3: the writer's flag. The keys are those of an engine with the same --model, --device, "
+    "--max-model-len and this flag: one key per KV cache group per chunk where it keeps several groups.",
 )]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", help="The writer's world size (PP x TP).")]
 WorkerIdOpt = Annotated[int, typer.Option("--worker-id", help="The writer's global rank.")]
@@ -238,6 +295,8 @@ def verify_keys(
     save_unfull_chunk: SaveUnfullOpt = False,
     kv_dtype: KVDtypeOpt = None,
     device: DeviceOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    disable_hybrid_kv_cache_manager: DisableHybridOpt = None,
     world_size: WorldSizeOpt = 1,
     worker_id: WorkerIdOpt = 0,
     against_lmcache: AgainstOpt = False,
@@ -253,6 +312,11 @@ def verify_keys(
     fits when it is KV_2LTD [2, layers, tokens, KV heads x head_dim] of --model in --kv-dtype
     itself (not only its element size), with the KV heads of rank --worker-id of an N-way
     tensor-parallel writer under --world-size N (its head shard, as the engine splits them).
+
+    blake3 keys are those of an engine with the same --model, --device, --max-model-len and
+    --disable-hybrid-kv-cache-manager. Where it keeps several KV cache groups (a model with
+    sliding-window layers), each chunk has a key and a row per group, with "group" ({"index",
+    "kind", "sliding_window", "layers"}), and a held chunk has the groups' slots as its layers.
 
     Exit status: 0 when every key equals LMCache's and every held chunk fits; 1 when a key
     differs or a held chunk does not fit; 2 for bad usage or input, including a --peer server
@@ -294,15 +358,18 @@ def verify_keys(
 
     needs_model = prompt is not None or peer is not None or hash_algo == "blake3"
     model_dir = _open_model(model, show_progress) if needs_model else None
+    layout, group_settings = None, [settings]
     if hash_algo == "blake3":
-        settings = msgspec.structs.replace(settings, identity_digest=blake3_identity_digest(model_dir, model, settings))
+        layout, group_settings = blake3_group_key_settings(
+            model_dir, model, settings, device, max_model_len, disable_hybrid_kv_cache_manager)
     if tokens is not None:
         sequences = read_token_sequences(tokens)
     else:
         sequences = [model_dir.tokenizer.encode(prompt)]
         if not sequences[0]:
             raise InputError("--prompt gives no tokens")
-    ours = [make_chunk_keys(seq, settings) for seq in sequences]
+    # ours[g][i]: KV cache group g's chunk keys of sequence i (one group but for a grouped blake3 writer).
+    ours = [[make_chunk_keys(seq, s) for seq in sequences] for s in group_settings]
 
     comparison = None
     if against_lmcache:
@@ -314,16 +381,16 @@ def verify_keys(
         from kvtool.engine.connectors.lmcache.probe import make_chunk_geometry, probe_chunks
         from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 
-        geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size, worker_id)
-        wanted = [(c.key, c.end - c.start) for chunks in ours for c in chunks]
+        geometry = make_chunk_geometry(model_dir.config, kv_dtype, world_size, worker_id, layout)
+        wanted = [(c.key, c.end - c.start) for group_keys in ours for chunks in group_keys for c in chunks]
         with LMClient.from_url(peer, connections=1) as client:
             try:
                 probes = probe_chunks(client, wanted, geometry)
             except PeerError as e:  # only the EXIST round, which any reachable server answers
                 raise ConfigError(f"--peer unreachable: {e}") from None
 
-    rows = build_rows(ours, comparison, probes)
-    for seq, chunks in zip(sequences, ours):
+    rows = build_rows(ours[0], comparison, probes) if len(ours) == 1 else build_group_rows(ours, layout, probes)
+    for seq, chunks in zip(sequences, ours[0]):
         if not chunks:
             render.info(short_sequence_hint(len(seq), settings))
     if probes is not None and rows and not any(r.present for r in rows):
@@ -337,25 +404,46 @@ def verify_keys(
         raise typer.Exit(code)
 
 
-def blake3_identity_digest(model_dir: ModelDir, model: str | None, settings: LMCacheKeySettings) -> str:
-    """The identity digest an engine on `model_dir` puts in its blake3 keys, at the settings' KV dtype
-    and world size (make_identity_digest of the identity such an engine has)."""
+def blake3_group_key_settings(
+    model_dir: ModelDir, model: str | None, settings: LMCacheKeySettings, device: str,
+    max_model_len: int | None, disable_hybrid_kv_cache_manager: bool | None,
+) -> tuple[KVCacheLayout, list[LMCacheKeySettings]]:
+    """The KV cache groups of an engine on `model_dir` with LMCache's connector in blake3 mode and
+    these flags, at the settings' KV dtype and world size, and the key settings of each group's
+    chunks (`identity_digest.make_group_key_settings`, the connector's); one group: the settings with the
+    engine's identity digest, as before groups.
+
+    Raises the engine's ConfigError for flags it refuses.
+    """
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.connectors.lmcache.identity_digest import make_group_key_settings
     from kvtool.engine.connectors.lmcache.identity_digest import make_identity_digest
-    from kvtool.engine.kv.identity import identity_for_model
+    from kvtool.engine.kv.identity import identity_for_model, layout_for_model
     from kvtool.engine.params import EngineParams
 
-    identity = identity_for_model(model_dir.path, EngineParams(model=model, device="cpu"))
+    # The identity's device and dtype are not in its digest; the KV dtype and world size are the flags'.
+    engine = EngineParams(model=model, device="cpu", max_model_len=max_model_len,
+                          disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+                          kv_transfer_config=parse_kv_transfer_config(BLAKE3_WRITER))
+    identity = identity_for_model(model_dir.path, engine)
     identity = msgspec.structs.replace(identity, kv_dtype=settings.kv_dtype, tp_size=settings.world_size)
-    return make_identity_digest(identity)
+    settings = msgspec.structs.replace(settings, identity_digest=make_identity_digest(identity))
+    layout = layout_for_model(model_dir.path, engine, writer_device(device))
+    return layout, make_group_key_settings(settings, identity, layout)
+
+
+def writer_device(device: str) -> torch.device:
+    """--device as the writer's torch device; auto: CUDA where this machine has it, as `kvtool serve` picks."""
+    import torch  # only --peer and blake3 get here, and both need torch anyway
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
 
 
 def serve_kv_dtype(device: str) -> str:
     """The KV dtype `kvtool serve --device DEVICE` stores (its --dtype auto): float32 on CPU, else bfloat16."""
-    if device == "auto":
-        import torch  # only --peer gets here, and the probe needs torch anyway
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "float32" if device == "cpu" else "bfloat16"
+    return "float32" if writer_device(device).type == "cpu" else "bfloat16"
 
 
 def short_sequence_hint(num_tokens: int, settings: LMCacheKeySettings) -> str:
@@ -375,8 +463,9 @@ def peer_miss_hint(num_keys: int, peer: str, settings: LMCacheKeySettings) -> st
         f"chunks of {settings.chunk_tokens} tokens, hash {settings.hash_algo}, world size {settings.world_size}, "
         f"worker {settings.worker_id}; each must match the writer (kvtool serve stores float32 on CPU, "
         "bfloat16 on CUDA): see --model-name, --kv-dtype, --device, --chunk-tokens, --hash-algo"
-        + ("; blake3 keys also carry --model's weights and config, so another checkpoint's chunks never match"
-           if settings.identity_digest is not None else "")
+        + ("; blake3 keys also carry --model's weights and config (so another checkpoint's chunks never match) "
+           "and the writer's KV cache groups (see --max-model-len, --disable-hybrid-kv-cache-manager)"
+           if settings.hash_algo == "blake3" else "")
     )
 
 

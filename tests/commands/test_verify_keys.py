@@ -252,6 +252,52 @@ def test_peer_finds_an_engines_blake3_chunks_only_with_its_model(make_engine, lm
     assert "another checkpoint" in err
 
 
+def test_peer_finds_every_kv_cache_groups_blake3_chunks(make_engine, lmcache_server, tmp_path, run_kvtool):
+    """A Gemma 3 engine stores a chunk per KV cache group (blake3 keys, a chain per group): verify-keys
+    keys the same groups, finds each group's chunks and fits them to the layout's slots; the keys of
+    a one-group engine (--disable-hybrid-kv-cache-manager) find none."""
+    from kvtool.engine.connectors.config import parse_kv_transfer_config
+    from kvtool.engine.params import SamplingParams
+    from tests.support.window_models import window_model_dir
+
+    host, port, _ = lmcache_server
+    model_dir = window_model_dir(tmp_path, "tiny-gemma3")
+    model_name = f"kvtool-test/groups-{uuid.uuid4().hex[:12]}"
+    engine = make_engine(model=str(model_dir), kv_transfer_config=parse_kv_transfer_config(json.dumps({
+        "kv_connector": "LMCacheConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host": host, "port": port, "model_name": model_name}})))
+    tiny_tokens = [t % 500 for t in TOKENS]
+    engine.generate([tiny_tokens], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.executor.worker.connector.flush()
+    layout = engine.kv_layout
+    assert layout.num_groups == 3  # windowed layers 0,3 and 1,4; global layers 2,5
+    expected = [[k.key for k in make_chunk_keys(tiny_tokens, s)] for s in engine.scheduler.connector.group_key_settings]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(tiny_tokens))
+    args = ["verify-keys", "--peer", f"lm://{host}:{port}", "--tokens", tokens, "--model", model_dir,
+            "--model-name", model_name, "--kv-dtype", "float32", "--device", "cpu", "--chunk-tokens", "16",
+            "--hash-algo", "blake3"]
+
+    code, out, err = run_kvtool(args + ["--json"])
+    assert code == 0, err
+    rows = json.loads(out)
+    groups = [{"index": g, "kind": group.kind, "sliding_window": group.sliding_window, "layers": list(group.layers)}
+              for g, group in enumerate(layout.groups)]
+    assert [(r["start"], r["group"]) for r in rows] == [(start, group) for start in (0, 16) for group in groups]
+    assert [r["key"] for r in rows] == [expected[g][i] for i in range(2) for g in range(3)]
+    assert all(r["present"] and r["fits"] and r["shape"] == [2, layout.num_slots, 16, 128] for r in rows)
+
+    code, out, err = run_kvtool(args)
+    assert code == 0, err
+    assert "0: window" in out and "2: full," in out  # a narrow table folds the rest of the group's cell
+    assert "6 keys of 3 KV cache groups; 6 held by" in out
+
+    code, out, err = run_kvtool(args + ["--json", "--disable-hybrid-kv-cache-manager"])
+    assert code == 0, err
+    assert [(r["present"], "group" in r) for r in json.loads(out)] == [(False, False)] * 2
+    assert "holds none of the 2 keys" in err
+
+
 # ----------------------------------------------------------------------------- keys alone
 
 

@@ -14,6 +14,7 @@ from kvtool.engine.connectors.base import EngineIdentity
 from kvtool.engine.core.hashing import resolve_none_hash_seed
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.dtypes import FP8_KV_DTYPES
+from kvtool.engine.kv.groups import KVCacheLayout
 from kvtool.engine.kv.pages import DTYPE_NAMES, DTYPES, KVGeometry
 from kvtool.engine.kv.scales import KVScales, read_kv_scales
 from kvtool.engine.params import EngineParams
@@ -105,6 +106,17 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
         device_type=device_type,
         model_num_kv_heads=cfg.num_kv_heads,
     )
+
+
+def layout_for_model(model_path, params: EngineParams, device: torch.device | None = None) -> KVCacheLayout:
+    """The KV cache groups an engine with these params would run (on `device`, default the
+    params' own, which must then be present)."""
+    from kvtool.engine.kv.cache_size import kv_cache_layout
+    from kvtool.engine.models.model_dir import open_model_dir
+
+    config = open_model_dir(model_path).config
+    return kv_cache_layout(params, config, params.max_model_len or config.max_position_embeddings,
+                           device or resolve_device(params.device))
 
 
 def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:

@@ -44,7 +44,7 @@ from kvtool.engine.connectors.base import (
 )
 from kvtool.engine.connectors.lmcache.chunk_fit import chunk_geometry_of_pages, chunk_problem
 from kvtool.engine.connectors.group_chunks import GroupChunks
-from kvtool.engine.connectors.lmcache.identity_digest import make_group_digests, make_identity_digest
+from kvtool.engine.connectors.lmcache.identity_digest import make_group_key_settings, make_identity_digest
 from kvtool.engine.connectors.lmcache.keys import (
     LMCacheKeySettings,
     check_request_tags,
@@ -71,7 +71,7 @@ from kvtool.engine.connectors.lmcache.settings import (  # noqa: F401 (re-export
 from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chunk_header, tensor_buffer
 from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.stores.store_factory import open_store
-from kvtool.engine.errors import ConfigError, KVRefused, KVToolError, PeerError
+from kvtool.engine.errors import KVRefused, KVToolError, PeerError
 from kvtool.engine.kv.pages import KVGeometry
 from kvtool.engine.models.shard_layout import TPRank
 
@@ -113,18 +113,6 @@ def _request_keys(request, group_key_settings: list[LMCacheKeySettings]) -> list
     return [make_chunk_keys(request.prompt_token_ids, ks, tags=tags) for ks in group_key_settings]
 
 
-def _group_key_settings(ctx: ConnectorContext, key_settings: LMCacheKeySettings) -> list[LMCacheKeySettings]:
-    """The key settings of each KV cache group's chunks: blake3 keys carry the group's own identity
-    digest; the peer modes key as LMCache does, for the one group the engine keeps with them."""
-    layout = ctx.kv_layout
-    if key_settings.identity_digest is None:
-        if layout.num_groups != 1:
-            raise ConfigError(f"LMCache hash_algo {key_settings.hash_algo!r} keys one KV cache group, "
-                              f"as LMCache in vLLM; this engine has {layout.describe()}")
-        return [key_settings]
-    return [msgspec.structs.replace(key_settings, identity_digest=d) for d in make_group_digests(ctx.identity, layout)]
-
-
 class _Lookup(msgspec.Struct):
     """An EXIST lookup running on the lookup thread for one request."""
 
@@ -151,7 +139,7 @@ class LMCacheScheduler(SchedulerHalf):
         self.block_size = ctx.identity.geometry.block_size
         self.cs = key_settings.chunk_tokens
         self.groups = GroupChunks(ctx.kv_layout, self.block_size, self.cs)
-        self.group_key_settings = _group_key_settings(ctx, key_settings)
+        self.group_key_settings = make_group_key_settings(key_settings, ctx.identity, ctx.kv_layout)
         # request id -> each group's chunk keys of its prompt
         self.keys: dict[str, list[list]] = {}
         # request id -> (local hit it was asked with, matched tokens); lookups hit the network once.

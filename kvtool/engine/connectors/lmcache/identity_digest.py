@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING
 import blake3
 import msgspec
 
+from kvtool.engine.errors import ConfigError
+
 if TYPE_CHECKING:  # base imports torch (kv_pages); this module needs only the identity's fields
     from kvtool.engine.connectors.base import EngineIdentity
+    from kvtool.engine.connectors.lmcache.keys import LMCacheKeySettings
     from kvtool.engine.kv.groups import KVCacheLayout
 
 # Bumped if the chunk bytes of an unchanged engine ever change meaning: old keys then miss.
@@ -86,3 +89,19 @@ def make_group_digests(identity: EngineIdentity, layout: KVCacheLayout) -> list[
         }, order="sorted")).hexdigest()
         for g, group in enumerate(layout.groups)
     ]
+
+
+def make_group_key_settings(key_settings: LMCacheKeySettings, identity: EngineIdentity,
+                            layout: KVCacheLayout) -> list[LMCacheKeySettings]:
+    """The key settings of each KV cache group's chunks of an engine with this identity and layout,
+    in group order: blake3 keys carry the group's own identity digest; the peer modes key as
+    LMCache does, for the one group the engine keeps with them (`verify-keys` keys the same way).
+
+    Raises ConfigError for a peer mode with several groups.
+    """
+    if key_settings.identity_digest is None:
+        if layout.num_groups != 1:
+            raise ConfigError(f"LMCache hash_algo {key_settings.hash_algo!r} keys one KV cache group, "
+                              f"as LMCache in vLLM; this engine has {layout.describe()}")
+        return [key_settings]
+    return [msgspec.structs.replace(key_settings, identity_digest=d) for d in make_group_digests(identity, layout)]

@@ -15,6 +15,7 @@ from kvtool.engine.connectors.lmcache.chunk_fit import (  # noqa: F401 (re-expor
 from kvtool.engine.connectors.lmcache.stores.lm_client import LMClient
 from kvtool.engine.connectors.lmcache.stores.protocol import tensor_buffer, torch_dtype_from_code
 from kvtool.engine.errors import ConfigError, PeerError
+from kvtool.engine.kv.groups import KVCacheLayout
 from kvtool.engine.models.model_dir import ModelConfig
 from kvtool.engine.models.shard_layout import TPRank
 
@@ -35,14 +36,18 @@ class ChunkProbe(msgspec.Struct, frozen=True, kw_only=True):
     problem: str | None  # why it does not fit (or could not be read); None when it fits
 
 
-def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1, worker_id: int = 0) -> ChunkGeometry:
+def make_chunk_geometry(config: ModelConfig, kv_dtype: str, world_size: int = 1, worker_id: int = 0,
+                        layout: KVCacheLayout | None = None) -> ChunkGeometry:
     """The chunk rank `worker_id` of a `world_size`-way tensor-parallel writer of a model config writes.
 
     The rank's KV heads are shard_layout's split, as the engine shards them (vLLM's when they
-    divide evenly). Raises ConfigError for a dtype torch does not know or a rank outside the size.
+    divide evenly). With the writer's KV cache groups (`layout`) a chunk holds one group's
+    blocks, so its layers are the layout's slots, as `chunk_geometry_of_pages` gives the
+    connector. Raises ConfigError for a dtype torch does not know or a rank outside the size.
     """
     tp = TPRank(world_size, worker_id)
-    return chunk_geometry_of_rank(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, tp)
+    num_layers = config.num_layers if layout is None else layout.num_slots
+    return chunk_geometry_of_rank(num_layers, config.num_kv_heads, config.head_dim, kv_dtype, tp)
 
 
 def probe_chunks(

@@ -32,7 +32,8 @@ logger = logging.getLogger("kvtool.offloading")
 
 DEFAULT_CPU_BYTES = 1 << 30
 
-__all__ = ["OffloadingConnector", "OffloadingSettings", "block_hash_of", "disk_identity", "parse_settings"]
+__all__ = ["OffloadingConnector", "OffloadingSettings", "block_hash_of", "disk_identity", "group_identities",
+           "parse_settings"]
 
 
 def disk_identity(identity: EngineIdentity, offload_block_tokens: int) -> KVIdentity:
