@@ -60,6 +60,20 @@ class GroupChunks:
         """Group g's chunks a load of tokens [start, end) reads."""
         return range(self.first_block(g, start, end) // self.blocks_per_chunk, -(-end // self.chunk_tokens))
 
+    def loads(self, start: int, end: int) -> list[tuple[int, int, range]]:
+        """(chunk, group, chunks it counts) of every group's chunk a load of tokens [start, end)
+        reads, chunk by chunk in group order. Each chunk of the load is counted once: by its
+        first group's job, or, where no group reads it (a window left it behind), by the next job."""
+        firsts = [self.first_block(g, start, end) // self.blocks_per_chunk for g in range(self.num_groups)]
+        out = []
+        counted = start // self.chunk_tokens
+        for i in range(counted, -(-end // self.chunk_tokens)):
+            for g, first in enumerate(firsts):
+                if i >= first:
+                    out.append((i, g, range(counted, i + 1)))
+                    counted = i + 1
+        return out
+
     def longest_hit(self, available: Callable[[int, int], bool], first: int, last: int, start: int,
                     num_tokens: int) -> int:
         """The most leading chunks, from `first` up to `last`, that a hit after a local hit of

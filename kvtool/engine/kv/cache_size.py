@@ -68,7 +68,7 @@ def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool
 
 def bytes_per_block(geometry: KVGeometry, layout: KVCacheLayout) -> int:
     """Bytes of one block of pages of `geometry` in `layout` (its slots, not all layers)."""
-    return geometry.bytes_per_block // geometry.num_layers * layout.num_slots
+    return geometry.block_bytes(layout.num_slots)
 
 
 def num_kv_blocks(params: EngineParams, config, dtype: torch.dtype, max_model_len: int, available: list[int],

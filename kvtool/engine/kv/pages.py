@@ -76,6 +76,10 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
+    def block_bytes(self, layers: int) -> int:
+        """Bytes of one block holding `layers` layers (a KV cache group's slots, or all of them)."""
+        return self.bytes_per_block // self.num_layers * layers
+
     def describe(self) -> str:
         return (
             f"layers={self.num_layers} kv_hidden={self.kv_hidden_size} "
@@ -194,7 +198,7 @@ class KVPages:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block: every layer's K/V of its tokens, or one group's layers (its slots)."""
-        return self.geometry.bytes_per_block // self.geometry.num_layers * self.layout.num_slots
+        return self.geometry.block_bytes(self.layout.num_slots)
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor

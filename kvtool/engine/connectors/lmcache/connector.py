@@ -246,26 +246,14 @@ class LMCacheScheduler(SchedulerHalf):
         keys = self._keys(request)
         tables = request.group_block_ids
         bs = self.block_size
-        chunks = range(start // self.cs, -(-end // self.cs))
-        # Every group's chunks that the load reads, chunk by chunk; a chunk's tokens are counted
-        # by its first job (the request's first job counts the chunks no group reads: those a
-        # window left behind).
-        loads: list[ChunkJob] = []
-        counted: set[int] = set()
-        for i in chunks:
-            for g, table in enumerate(tables):
-                if i not in self.groups.chunks(g, start, end):
-                    continue
-                k = keys[g][i]
-                first_token = max(start, self.groups.first_block(g, start, end) * bs)
-                loads.append(ChunkJob(request_id=request.request_id, key=k.key, start=k.start, end=k.end,
-                                      skip=max(0, first_token - k.start),
-                                      block_ids=table[k.start // bs : -(-k.end // bs)],
-                                      tokens=0 if i in counted else k.end - max(start, k.start)))
-                counted.add(i)
-        if loads:
-            loads[0].tokens += sum(keys[0][i].end - max(start, keys[0][i].start) for i in chunks if i not in counted)
-        self.pending_loads.extend(loads)
+        # Every group's chunks that the load reads, chunk by chunk, each chunk's tokens counted once.
+        for i, g, counted in self.groups.loads(start, end):
+            k = keys[g][i]
+            first_token = max(start, self.groups.first_block(g, start, end) * bs)
+            self.pending_loads.append(ChunkJob(
+                request_id=request.request_id, key=k.key, start=k.start, end=k.end,
+                skip=max(0, first_token - k.start), block_ids=tables[g][k.start // bs : -(-k.end // bs)],
+                tokens=sum(keys[0][c].end - max(start, keys[0][c].start) for c in counted)))
 
     def build_connector_meta(self, scheduler_output) -> LMCacheMetadata:
         stores: list[ChunkJob] = []

@@ -77,11 +77,10 @@ class OffloadingConnector(KVConnector):
         geometry = identity.geometry
         # cpu_bytes_to_use counts every rank's share, as vLLM's does: a slot costs one offload
         # block of every rank's KV-head shard.
-        size = identity.tp_size
-        bytes_per_block = (sum(identity_of_rank(identity, size, r).geometry.bytes_per_block for r in range(size))
-                           if size > 1 else geometry.bytes_per_block)
         # With KV cache groups a block (and a slot's block) holds one group's layers.
-        bytes_per_block = bytes_per_block // geometry.num_layers * ctx.kv_layout.num_slots
+        size, slots = identity.tp_size, ctx.kv_layout.num_slots
+        bytes_per_block = (sum(identity_of_rank(identity, size, r).geometry.block_bytes(slots) for r in range(size))
+                           if size > 1 else geometry.block_bytes(slots))
         settings = parse_settings(dict(ctx.config.kv_connector_extra_config), geometry.block_size,
                                   kv_bytes_per_block=bytes_per_block)
         blocks_per_slot = settings.offload_block_tokens // geometry.block_size

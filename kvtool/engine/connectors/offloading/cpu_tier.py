@@ -187,7 +187,7 @@ class HostPool:
 
     @property
     def slot_bytes(self) -> int:
-        return self.geometry.bytes_per_block // self.geometry.num_layers * self.layers_per_block * self.blocks_per_slot
+        return self.geometry.block_bytes(self.layers_per_block) * self.blocks_per_slot
 
     def slot(self, slot: int) -> torch.Tensor:
         """The slot's tensor [blocks_per_slot, 2, L, bs, H, D] (a view into the pool)."""

@@ -159,9 +159,10 @@ class OffloadingScheduler(SchedulerHalf):
         end = start + num_external_tokens
         k = self.blocks_per_offload
         tables = request.group_block_ids
-        # (chunk, group) -> key, for every group's chunks of the load, chunk by chunk.
+        # Every group's chunks of the load, chunk by chunk: (chunk, group) -> key.
         groups = self.groups
-        keys = {(j, g): self._key(request, j, g) for g in range(groups.num_groups) for j in groups.chunks(g, start, end)}
+        plan = groups.loads(start, end)
+        keys = {(j, g): self._key(request, j, g) for j, g, _ in plan}
         access = self._access(rid)
         slots: dict[tuple[int, int], int | None] = {}
         for (j, g), key in keys.items():
@@ -179,11 +180,8 @@ class OffloadingScheduler(SchedulerHalf):
                 slots[jg] = slot
                 if slot is not None:
                     access.saw(keys[jg], jg[0], inserted=True)
-        # A chunk's tokens are counted once, by its first group's job (the request's first job
-        # counts the chunks no group loads: those a window left behind).
-        counted: set[int] = set()
-        loads: list[LoadJob] = []
-        for (j, g), key in sorted(keys.items()):
+        for j, g, counted in plan:
+            key = keys[j, g]
             lo = max(j * k, groups.first_block(g, start, end))
             hi = min((j + 1) * k, -(-end // self.block_size))
             slot = slots[j, g]
@@ -193,16 +191,10 @@ class OffloadingScheduler(SchedulerHalf):
                 self.filling_jobs[job_id] = key
                 if self.events is not None:
                     self.job_events[job_id] = self._event_args(request, j, g)  # a promotion into the CPU tier
-            tokens = 0
-            if j not in counted:
-                counted.add(j)
-                tokens = self._load_tokens(j, start, end)
-            loads.append(LoadJob(job_id=job_id, request_id=rid, key=key, index=j, block_ids=list(tables[g][lo:hi]),
-                                 first=lo - j * k, slot=slot, from_disk=from_disk, tokens=tokens))
-        if loads:
-            uncounted = range(start // self.obt, -(-end // self.obt))
-            loads[0].tokens += sum(self._load_tokens(j, start, end) for j in uncounted if j not in counted)
-        self.pending_loads.extend(loads)
+            tokens = sum(self._load_tokens(c, start, end) for c in counted)
+            self.pending_loads.append(LoadJob(job_id=job_id, request_id=rid, key=key, index=j,
+                                              block_ids=list(tables[g][lo:hi]), first=lo - j * k, slot=slot,
+                                              from_disk=from_disk, tokens=tokens))
         self.hit_chunks[rid] = max(self.hit_chunks.get(rid, 0), -(-end // self.obt))
 
     def build_connector_meta(self, scheduler_output) -> OffloadingMetadata:

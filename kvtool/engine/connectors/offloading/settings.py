@@ -59,7 +59,7 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
              doc="keys store_threshold counts offers for (an LRU table)"),
     ExtraKey(name="offload_prompt_only", kind="bool", default=True),
     ExtraKey(name="group_idx", kind="int", default=0, low=0, high=0,
-             doc="the KV-cache group; this engine has one"),
+             doc="0 only: each KV cache group's offload blocks are keyed by the group's own index"),
     ExtraKey(name="layerwise", kind="bool", default=False,
              doc="on CUDA, save (and load any hit) layer by layer during the forward"),
     ExtraKey(name="spec_name", kind="choice", default="CPUOffloadingSpec", choices=SPEC_NAMES),
