@@ -361,7 +361,7 @@ def verify_keys(
     layout, group_settings = None, [settings]
     if hash_algo == "blake3":
         layout, group_settings = blake3_group_key_settings(
-            model_dir, model, settings, device, max_model_len, disable_hybrid_kv_cache_manager)
+            model_dir, model, settings, max_model_len, disable_hybrid_kv_cache_manager)
     if tokens is not None:
         sequences = read_token_sequences(tokens)
     else:
@@ -405,8 +405,8 @@ def verify_keys(
 
 
 def blake3_group_key_settings(
-    model_dir: ModelDir, model: str | None, settings: LMCacheKeySettings, device: str,
-    max_model_len: int | None, disable_hybrid_kv_cache_manager: bool | None,
+    model_dir: ModelDir, model: str | None, settings: LMCacheKeySettings, max_model_len: int | None,
+    disable_hybrid_kv_cache_manager: bool | None,
 ) -> tuple[KVCacheLayout, list[LMCacheKeySettings]]:
     """The KV cache groups of an engine on `model_dir` with LMCache's connector in blake3 mode and
     these flags, at the settings' KV dtype and world size, and the key settings of each group's
@@ -428,7 +428,7 @@ def blake3_group_key_settings(
     identity = identity_for_model(model_dir.path, engine)
     identity = msgspec.structs.replace(identity, kv_dtype=settings.kv_dtype, tp_size=settings.world_size)
     settings = msgspec.structs.replace(settings, identity_digest=make_identity_digest(identity))
-    layout = layout_for_model(model_dir.path, engine, writer_device(device))
+    layout = layout_for_model(model_dir.path, engine)
     return layout, make_group_key_settings(settings, identity, layout)
 
 

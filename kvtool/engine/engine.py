@@ -99,7 +99,7 @@ class LLMEngine:
         if connector_cls is not None:
             self.identity = engine_identity(params, self.model_dir, self.dtype, self.device.type)
         # The KV cache groups (the workers form the same from the same parameters).
-        self.kv_layout = kv_cache_layout(params, cfg, self.max_model_len, self.device)
+        self.kv_layout = kv_cache_layout(params, cfg, self.max_model_len)
         # The model, its KV pages and the connector's worker half live in the executor's workers
         # (here, or one process per rank); this process keeps the scheduler and the scheduler half.
         self.executor: Executor = build_executor(params, self.model_dir, self.device, self.dtype, self.max_model_len,

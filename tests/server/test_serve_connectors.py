@@ -6,6 +6,7 @@ import threading
 
 import openai
 import pytest
+import torch
 
 from tests.support.server_process import ServerProcess
 
@@ -82,11 +83,17 @@ def test_sigterm_leaves_no_temporary_files(tiny_model_dir, tmp_path):
     assert list(root.rglob("*.kvb"))
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_a_restarted_server_loads_the_prefix_from_disk(kv_cache_dtype, tmp_path):
-    """Gemma 3 (local and global layers) served with a CPU + disk tier: after a restart the
-    prompt's blocks come from disk (hits in /metrics and cached_tokens) and the greedy text is the
-    first server's; with the model's KV dtype and with an fp8 cache."""
+def test_a_restarted_server_loads_the_prefix_from_disk(kv_cache_dtype, device, tmp_path):
+    """Gemma 3 (local and global layers, a KV cache group each kind) served with a CPU + disk
+    tier: after a restart the prompt's blocks of every group come from disk (hits in /metrics and
+    cached_tokens) and the greedy text is the first server's; with the model's KV dtype and with
+    an fp8 cache, on CPU and on CUDA."""
     from kvtool.engine.presets.catalog import create_model_dir
 
     model = tmp_path / "tiny-gemma3"
@@ -94,6 +101,7 @@ def test_a_restarted_server_loads_the_prefix_from_disk(kv_cache_dtype, tmp_path)
     ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"root_dir": str(tmp_path / "tier")}})
     args = [*_serve_args(model, ktc), "--kv-cache-dtype", kv_cache_dtype]
+    args[args.index("--device") + 1] = device
     with ServerProcess(args) as srv:
         first = complete(openai.OpenAI(base_url=srv.base_url, api_key="x"), str(model))
     with ServerProcess(args) as srv:

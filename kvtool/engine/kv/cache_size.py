@@ -28,7 +28,7 @@ def rank_kv_geometry(config, block_size: int, dtype: torch.dtype, tp: TPRank) ->
     )
 
 
-def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: torch.device) -> KVCacheLayout:
+def kv_cache_layout(params: EngineParams, config, max_model_len: int) -> KVCacheLayout:
     """The engine's KV cache groups (`kv.groups`): a group per kind of layer where the layers'
     windows differ or bind, as vLLM's hybrid KV cache manager forms them; one full-attention
     group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager where sliding
@@ -37,7 +37,7 @@ def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: to
     --no-disable-hybrid-kv-cache-manager there is refused in one line, as vLLM refuses it."""
     windows = layer_windows(config, max_model_len)
     flag = params.disable_hybrid_kv_cache_manager
-    reason = hybrid_unsupported(params, device, grouped=len(set(windows)) > 1 or windows[0] is not None)
+    reason = hybrid_unsupported(params)
     if flag is False and reason is not None:
         raise ConfigError(f"--no-disable-hybrid-kv-cache-manager: {reason}")
     # vLLM's unified layout (the flag): full attention where sliding and global layers mix; a
@@ -48,12 +48,11 @@ def kv_cache_layout(params: EngineParams, config, max_model_len: int, device: to
     return layout
 
 
-def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool) -> str | None:
+def hybrid_unsupported(params: EngineParams) -> str | None:
     """Why the engine keeps one KV cache group, or None. As vLLM 0.33: a connector that does not
     move every group (`KVConnector.groups_unsupported`, vLLM's `SupportsHMA`: LMCache's is not in
     its peer key modes; the OffloadingConnector, and LMCache's in kvtool's blake3 mode, are),
-    whatever the model. kvtool's own limit so far, for a model whose
-    layers would form groups (`grouped`): CUDA (its kernels and graphs take one block table)."""
+    whatever the model."""
     ktc = params.kv_transfer_config
     if ktc is not None and ktc.kv_connector is not None:
         from kvtool.engine.connectors.registry import resolve_connector
@@ -61,8 +60,6 @@ def hybrid_unsupported(params: EngineParams, device: torch.device, grouped: bool
         reason = resolve_connector(ktc).groups_unsupported(ktc)
         if reason is not None:
             return f"{ktc.kv_connector} {reason}"
-    if grouped and device.type == "cuda":
-        return "the CUDA attention kernels take one KV cache group's block table in kvtool so far"
     return None
 
 

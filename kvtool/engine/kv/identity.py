@@ -108,15 +108,13 @@ def engine_identity(params: EngineParams, model_dir, dtype: torch.dtype, device_
     )
 
 
-def layout_for_model(model_path, params: EngineParams, device: torch.device | None = None) -> KVCacheLayout:
-    """The KV cache groups an engine with these params would run (on `device`, default the
-    params' own, which must then be present)."""
+def layout_for_model(model_path, params: EngineParams) -> KVCacheLayout:
+    """The KV cache groups an engine with these params would run."""
     from kvtool.engine.kv.cache_size import kv_cache_layout
     from kvtool.engine.models.model_dir import open_model_dir
 
     config = open_model_dir(model_path).config
-    return kv_cache_layout(params, config, params.max_model_len or config.max_position_embeddings,
-                           device or resolve_device(params.device))
+    return kv_cache_layout(params, config, params.max_model_len or config.max_position_embeddings)
 
 
 def identity_for_model(model_path, params: EngineParams) -> EngineIdentity:

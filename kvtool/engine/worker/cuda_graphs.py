@@ -3,7 +3,8 @@
 A decode step is a few hundred small kernels; replaying them as one graph removes the host
 launch cost of every eager op. Every graph reads one static int32 buffer, one row per sequence:
 
-    static[row] = [token id, position, flat slot, context length, block table ...]
+    static[row] = [token id, position, flat slot, context length, block table ..., first tile
+                   slot, launch order, then per KV cache group past the first: its slot, its table ...]
 
 The runner fills the first rows of a bucket and pads the rest (slot -1: nothing is written;
 context length 0: the decode kernel writes a zero row), copies them in with one host-to-device
@@ -16,6 +17,9 @@ The runner captures every bucket up to the engine's `max_num_seqs` when it start
 so no request pays for a capture or for compiling the kernels of a new batch size; the buckets
 stop at `max_num_seqs`, since no decode step can hold more sequences.
 
+A model with several KV cache groups (`kv.groups`) has a slot and a table per group in each row
+(`cuda_step`: the groups share the rest), and its graphs attend each layer with its group's.
+
 In batch-invariant mode a graph is captured with the row-invariant GEMMs (its metadata's
 `row_invariant`, and the logits') and the fixed-tile decode kernel, whose tile slots are sized
 for the bucket (`tile_slots`); a batch that needs more (sequences sharing prefix blocks) runs
@@ -24,7 +28,8 @@ eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -59,8 +64,14 @@ class DecodeGraphs:
         self.cache_tokens = kv_pages.num_blocks * self.block_size
         device = kv_pages.device
         # Two more columns after the block table: the first tile slot of each row (batch-invariant
-        # decode) and the decode kernel's launch order (longest first).
-        cols = NUM_FIXED + self.width + 2
+        # decode) and the decode kernel's launch order (longest first); then each further KV cache
+        # group's slot and table.
+        self.tile_col = NUM_FIXED + self.width
+        self.order_col = self.tile_col + 1
+        self.layer_group = kv_pages.layout.layer_group
+        num_groups = kv_pages.layout.num_groups
+        self.group_cols = [self.order_col + 1 + g * (1 + self.width) for g in range(num_groups - 1)]
+        cols = self.order_col + 1 + (num_groups - 1) * (1 + self.width)
         self.static = torch.zeros((max_batch, cols), dtype=torch.int32, device=device)
         # Host side of the one copy per replay; reused once the previous copy is done.
         self.host = torch.zeros((max_batch, cols), dtype=torch.int32, pin_memory=True)
@@ -96,8 +107,10 @@ class DecodeGraphs:
             return False
         return not self.batch_invariant or tile_bases(context_lens)[1] <= self.tile_slots(self.bucket_for(batch))
 
-    def run(self, rows: np.ndarray, patch: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for rows [B, NUM_FIXED + w] (int32, w <= width).
+    def run(self, rows: np.ndarray, patch: Callable[[torch.Tensor], None] | None = None,
+            group_rows: Sequence[np.ndarray] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for rows [B, NUM_FIXED + w] (int32, w <= width); `group_rows`: those
+        of KV cache groups 1.. (`cuda_step.decode_rows` over their tables), with several groups.
 
         `patch(token_ids)`, when given, rewrites some of the rows' token ids on the device after
         the copy and before the replay (async scheduling's tokens from the previous step).
@@ -112,10 +125,14 @@ class DecodeGraphs:
         host[:batch, :cols] = rows
         host[batch:bucket, :NUM_FIXED] = (0, 0, -1, 0)
         bases, num_tiles = tile_bases(rows[:, 3])
-        host[:batch, -2] = bases
-        host[batch:bucket, -2] = num_tiles
-        host[:batch, -1] = longest_first(rows[:, 3])
-        host[batch:bucket, -1] = np.arange(batch, bucket, dtype=np.int32)
+        host[:batch, self.tile_col] = bases
+        host[batch:bucket, self.tile_col] = num_tiles
+        host[:batch, self.order_col] = longest_first(rows[:, 3])
+        host[batch:bucket, self.order_col] = np.arange(batch, bucket, dtype=np.int32)
+        for c, g_rows in zip(self.group_cols, group_rows):
+            host[:batch, c] = g_rows[:, 2]
+            host[batch:bucket, c] = -1
+            host[:batch, c + 1 : c + cols - NUM_FIXED + 1] = g_rows[:, NUM_FIXED:]
         # Whole rows: one contiguous copy. Columns past a row's context are never read.
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
         self.copied.record()
@@ -129,25 +146,25 @@ class DecodeGraphs:
     def _capture(self, bucket: int) -> None:
         s = self.static[:bucket]
         s.zero_()
-        s[:, 2] = -1  # the warm-up run writes nothing into the pages
-        s[:, -1] = torch.arange(bucket, dtype=torch.int32, device=s.device)
-        meta = AttentionMetadata(
-            kv_pages=self.kv_pages,
-            seqs=[],
-            slot_block_ids=None,
-            slot_offsets=None,
-            device_batch=DeviceBatch(
-                slot_mapping=s[:, 2],
-                num_decode=bucket,
-                block_table=s[:, NUM_FIXED : NUM_FIXED + self.width],
-                context_lens=s[:, 3],
-                num_splits=self.num_splits_for(bucket, self.width * self.block_size),
-                decode_order=s[:, -1],
-                tile_base=s[:, -2] if self.batch_invariant else None,
-                num_tiles=self.tile_slots(bucket),
-            ),
-            row_invariant=self.batch_invariant,
+        s[:, [2, *self.group_cols]] = -1  # the warm-up run writes nothing into the pages
+        s[:, self.order_col] = torch.arange(bucket, dtype=torch.int32, device=s.device)
+        batch = DeviceBatch(
+            slot_mapping=s[:, 2],
+            num_decode=bucket,
+            block_table=s[:, NUM_FIXED : NUM_FIXED + self.width],
+            context_lens=s[:, 3],
+            num_splits=self.num_splits_for(bucket, self.width * self.block_size),
+            decode_order=s[:, self.order_col],
+            tile_base=s[:, self.tile_col] if self.batch_invariant else None,
+            num_tiles=self.tile_slots(bucket),
         )
+        meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                 device_batch=batch, row_invariant=self.batch_invariant)
+        if self.group_cols:
+            groups = [batch] + [replace(batch, slot_mapping=s[:, c], block_table=s[:, c + 1 : c + 1 + self.width])
+                                for c in self.group_cols]
+            meta.group_metas = [replace(meta, device_batch=b) for b in groups]
+            meta.layer_group = self.layer_group
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             with attention_context(meta):

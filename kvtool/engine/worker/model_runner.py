@@ -29,14 +29,11 @@ from torch import nn
 
 from kvtool.engine.kernels.attention import (
     AttentionMetadata,
-    DeviceBatch,
-    PrefillBatch,
     SeqSpan,
     attention_context,
     select_backend,
 )
 from kvtool.engine.connectors.base import WorkerHalf
-from kvtool.engine.kernels.attention.context import longest_first, tile_bases
 from kvtool.engine.core.block_pool import NULL_BLOCK
 from kvtool.engine.kv.pages import KVPages
 from kvtool.engine.core.messages import (
@@ -48,12 +45,13 @@ from kvtool.engine.core.messages import (
 )
 from kvtool.engine.models.fast_paths import FastPaths
 from kvtool.engine.params import SamplingParams
+from kvtool.engine.worker.cuda_step import GroupInputs, PackedStep, below_window, decode_rows, pack_step
 from kvtool.engine.worker.pinned_staging import PinnedStaging
 from kvtool.engine.worker.sampler import SampleRow, sample_on_device
 
+__all__ = ["MAX_GRAPH_BATCH", "ModelRunner", "PackedStep", "PendingOutput", "decode_rows", "pack_step"]
+
 MAX_GRAPH_BATCH = 512
-# int32 entries per 16 bytes: where each segment of a packed step starts (`pack_step`).
-SEGMENT_ALIGN = 4
 
 
 class _ConnectorLayerHooks:
@@ -113,11 +111,6 @@ class _RequestState:
         for t, ids in zip(self.tables[1:], group_block_ids):
             t.add(ids)
 
-    @property
-    def block_table(self) -> np.ndarray:
-        """Group 0's table (the only one of a one-group layout)."""
-        return self.tables[0].view
-
     def see(self, start: int, token_ids: list[int]) -> None:
         """Record a step's tokens (known ones only: a placeholder's sample stays on the device)."""
         end = start + len(token_ids)
@@ -140,7 +133,8 @@ class _CudaStep:
 
     decode: list[ScheduledRequest]
     prefill: list[ScheduledRequest]
-    rows: np.ndarray  # decode_rows of `decode`
+    rows: np.ndarray  # decode_rows of `decode`, KV cache group 0's
+    group_rows: list[np.ndarray]  # those of groups 1.. (a multi-group cache)
     packed: PackedStep | None = None
 
 
@@ -233,8 +227,6 @@ class ModelRunner:
         # each layer's group.
         self._group_windows = [g.sliding_window if layout.hybrid else None for g in layout.groups]
         self._layer_group = layout.layer_group
-        if self.backend == "cuda" and layout.num_groups > 1:
-            raise ValueError("the CUDA attention backend takes one KV cache group's block table")
         if fast_paths.kernels == "triton" and self.backend != "cuda":
             raise ValueError(f"the model runs the CUDA fused kernels, the runner the {self.backend} attention backend")
         self.fast_paths = fast_paths
@@ -285,15 +277,18 @@ class ModelRunner:
             rows.update(WARM_UP_ROWS)
         shapes = [(1, bs), (bs + 1, bs)] + [(n, 0) for n in sorted(rows)]
         no_decode = decode_rows([], [], bs)
+        # Every group's table is the same run of blocks, past the null block of a hybrid cache.
+        first = NULL_BLOCK + 1 if self.kv_pages.layout.hybrid else 0
         for rows, prefix in shapes:
             blocks = -(-(prefix + rows) // bs)
-            if blocks > self.kv_pages.num_blocks:
+            if first + blocks > self.kv_pages.num_blocks:
                 continue
             s = ScheduledRequest(request_id="warm-up", token_ids=[0] * rows, start=prefix, new_block_ids=[], sample=True)
-            step = pack_step([], no_decode, [s], [np.arange(blocks, dtype=np.int32)], bs, self.device,
-                             self.num_splits_for(0, self.max_context), self.batch_invariant)
-            meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
-                                     device_batch=step.batch, row_invariant=True)
+            table = [np.arange(first, first + blocks, dtype=np.int32)]
+            more = [GroupInputs(no_decode, table) for _ in range(self.kv_pages.layout.num_groups - 1)]
+            step = pack_step([], no_decode, [s], table, bs, self.device,
+                             self.num_splits_for(0, self.max_context), self.batch_invariant, groups=more)
+            meta = self._step_metadata(step, None, True)
             with attention_context(meta):
                 hidden = self._sampled_hidden(step)
             self.model.compute_logits(hidden, row_invariant=self.batch_invariant)
@@ -450,27 +445,46 @@ class ModelRunner:
         # chunk): the prefill kernels give it the bits it has inside a whole-prompt prefill.
         decode = [s for s in so.scheduled if s.num_tokens == 1 and not self._is_prompt_row(s)]
         prefill = [s for s in so.scheduled if s.num_tokens > 1 or self._is_prompt_row(s)]
-        rows = decode_rows(decode, [self._block_table(s) for s in decode], self.block_size)
-        plan = _CudaStep(decode, prefill, rows)
-        if prefill or self.graphs is None or not self.graphs.fits(rows[:, 3]):
+        rows = [decode_rows(decode, [self._states[s.request_id].tables[g].view for s in decode], self.block_size, w)
+                for g, w in enumerate(self._group_windows)]
+        plan = _CudaStep(decode, prefill, rows[0], rows[1:])
+        if prefill or self.graphs is None or not self.graphs.fits(rows[0][:, 3]):
             plan.packed = self._pack(plan)
         return plan
 
+    def _prefill_tables(self, prefill: list[ScheduledRequest], group: int) -> list[np.ndarray]:
+        """The block tables of KV cache group `group` of the step's prefill sequences (the null
+        block below a sliding window, `below_window`)."""
+        w = self._group_windows[group]
+        return [below_window(self._states[s.request_id].tables[group].view, s.start, w, self.block_size)
+                for s in prefill]
+
     def _pack(self, plan: _CudaStep) -> PackedStep:
+        groups = [GroupInputs(r, self._prefill_tables(plan.prefill, g)) for g, r in enumerate(plan.group_rows, 1)]
         return pack_step(
-            plan.decode, plan.rows, plan.prefill, [self._block_table(s) for s in plan.prefill], self.block_size,
+            plan.decode, plan.rows, plan.prefill, self._prefill_tables(plan.prefill, 0), self.block_size,
             self.device, self.num_splits_for(len(plan.decode), self.max_context), self.batch_invariant,
-            self.staging,
+            self.staging, groups,
         )
+
+    def _step_metadata(self, step: PackedStep, hooks, row_invariant: bool) -> AttentionMetadata:
+        """The attention metadata of a packed step: its batch, and with several KV cache groups
+        each group's (the layers attend with their group's, `AttentionMetadata.for_layer`)."""
+        meta = AttentionMetadata(kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None,
+                                 hooks=hooks, device_batch=step.batch, row_invariant=row_invariant)
+        if step.group_batches is not None:
+            meta.group_metas = [replace(meta, device_batch=b) for b in step.group_batches]
+            meta.layer_group = self._layer_group
+        return meta
 
     def _run_cuda(self, plan: _CudaStep) -> SampledTokens | None:
         decode, prefill, rows = plan.decode, plan.prefill, plan.rows
         hooks = self.hooks if self._layer_hooks_needed() else None
         dst, src = self._placeholder_rows(decode)
         if plan.packed is None and hooks is None:
-            self._order_page_writes(rows[:, 2] // self.block_size)
+            self._order_page_writes(np.concatenate([r[:, 2] for r in [rows, *plan.group_rows]]) // self.block_size)
             patch = (lambda ids: self._patch_from_previous(ids, dst, src)) if dst else None
-            logits, greedy = self.graphs.run(rows, patch)
+            logits, greedy = self.graphs.run(rows, patch, plan.group_rows)
             sampled = [s for s in decode if s.sample]
             if len(sampled) < len(decode):
                 keep = torch.tensor([i for i, s in enumerate(decode) if s.sample], dtype=torch.long, device=self.device)
@@ -482,10 +496,7 @@ class ModelRunner:
             self._patch_from_previous(step.input_ids, dst, src)
         invariant = self.batch_invariant
         # Prefill rows always take the row-invariant GEMMs; decode rows in batch-invariant mode.
-        meta = AttentionMetadata(
-            kv_pages=self.kv_pages, seqs=[], slot_block_ids=None, slot_offsets=None, hooks=hooks,
-            device_batch=step.batch, row_invariant=bool(prefill) or invariant,
-        )
+        meta = self._step_metadata(step, hooks, bool(prefill) or invariant)
         self._order_page_writes(step.written_blocks)
         if (self.prefill_graphs is not None and not decode and len(prefill) == 1 and prefill[0].num_tokens == 1
                 and not self.kv_pages.scales_pending):  # the graphs store K/V under the scales they have
@@ -511,10 +522,6 @@ class ModelRunner:
     def _is_prompt_row(self, s: ScheduledRequest) -> bool:
         """Whether the step's tokens for `s` start inside its prompt."""
         return s.start < self._states[s.request_id].num_prompt_tokens
-
-    def _block_table(self, s: ScheduledRequest) -> np.ndarray:
-        """The request's block ids as int32, from the runner's own state."""
-        return self._states[s.request_id].block_table
 
     # ---- shared --------------------------------------------------------------------------------------
 
@@ -565,124 +572,3 @@ class ModelRunner:
             completions=completions,
             stats=stats,
         )
-
-
-@dataclass(slots=True)
-class PackedStep:
-    """One eager CUDA step's device inputs, all views into one int32 tensor copied in at once."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    batch: DeviceBatch
-    sample_rows: torch.Tensor  # [S]: rows of the sampled sequences (decode ones first)
-    written_blocks: np.ndarray  # page blocks this step writes
-
-
-def decode_rows(decode: list[ScheduledRequest], tables: list[np.ndarray], block_size: int) -> np.ndarray:
-    """[B, 4 + w] int32 rows for one-token sequences: token, position, slot, context length,
-    then the block table up to the longest context (w blocks)."""
-    bs = block_size
-    nd = len(decode)
-    ctx = np.fromiter((s.start + 1 for s in decode), dtype=np.int64, count=nd)
-    width = int(-(-ctx.max() // bs)) if nd else 0
-    rows = np.zeros((nd, 4 + width), dtype=np.int32)
-    if nd:
-        rows[:, 0] = [s.token_ids[0] for s in decode]
-        rows[:, 1] = ctx - 1
-        rows[:, 3] = ctx
-        for i, t in enumerate(tables):
-            n = -(-int(ctx[i]) // bs)
-            rows[i, 4 : 4 + n] = t[:n]
-        last = ctx - 1
-        rows[:, 2] = rows[np.arange(nd), 4 + last // bs] * bs + last % bs
-    return rows
-
-
-def pack_step(
-    decode: list[ScheduledRequest],
-    rows: np.ndarray,
-    prefill: list[ScheduledRequest],
-    tables: list[np.ndarray],
-    block_size: int,
-    device: torch.device,
-    num_splits: int,
-    tiles: bool = False,
-    staging: PinnedStaging | None = None,
-) -> PackedStep:
-    """Pack the decode sequences' rows (from `decode_rows`) and the prefill sequences into one int32 host array,
-    copy it to the device once, and return views of it.
-
-    Layout: ids [T] | positions [T] | slots [T] | context lengths [B] | block table [B * w] |
-    cu_q [P + 1] | cu_k [P + 1] | cumulative sampled rows [P + 1] | key slots [sum ctx] (only with
-    a cached prefix) | sample rows | decode launch order [B] | first tile slot of each decode row
-    [B] (only with `tiles`: the batch-invariant decode kernel's).
-
-    The batch's `sampled` batch is set when the step computes prefill rows it does not sample
-    and samples every decode row: its query rows are then the sample rows, in their order.
-
-    The array goes through `staging`'s pinned buffers when given, else through a new pinned copy.
-    """
-    bs = block_size
-    nd, width = rows.shape[0], rows.shape[1] - 4
-    ids, pos, slots = [rows[:, 0]], [rows[:, 1]], [rows[:, 2]]
-    cu_q, cu_k, cu_s, key_slots = [0], [0], [0], []
-    has_prefix = any(s.start > 0 for s in prefill)
-    sample_rows = [i for i, s in enumerate(decode) if s.sample]
-    for s, t in zip(prefill, tables):
-        p = np.arange(s.start, s.start + s.num_tokens)
-        ids.append(np.asarray(s.token_ids, dtype=np.int32))
-        pos.append(p)
-        slots.append(t[p // bs] * bs + p % bs)
-        ctx_len = s.start + s.num_tokens
-        cu_q.append(cu_q[-1] + s.num_tokens)
-        cu_k.append(cu_k[-1] + ctx_len)
-        cu_s.append(cu_s[-1] + s.sample)
-        if has_prefix:
-            k = np.arange(ctx_len)
-            key_slots.append(t[k // bs] * bs + k % bs)
-        if s.sample:
-            sample_rows.append(nd + cu_q[-1] - 1)
-    order = longest_first(rows[:, 3])
-    bases, num_tiles = tile_bases(rows[:, 3]) if tiles else (np.zeros(0, dtype=np.int32), 0)
-    segments = [ids, pos, slots, [rows[:, 3]], [rows[:, 4:]], [cu_q], [cu_k], [cu_s], key_slots, [sample_rows], [order],
-                [bases]]
-    flat = [np.concatenate([np.asarray(x, dtype=np.int32).reshape(-1) for x in seg] or [np.zeros(0, np.int32)])
-            for seg in segments]
-    # Every segment starts 16 bytes aligned: Triton specializes kernels on their pointers' alignment,
-    # and unaligned views at offsets that vary with the step would compile new variants mid-request.
-    starts = np.cumsum([0] + [-(-len(f) // SEGMENT_ALIGN) * SEGMENT_ALIGN for f in flat])
-    host = np.zeros(int(starts[-1]), dtype=np.int32)
-    for f, at in zip(flat, starts):
-        host[at : at + len(f)] = f
-    if staging is not None:
-        dev = staging.to_device(host, device)
-    else:
-        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
-    views = [dev[at : at + len(f)] for f, at in zip(flat, starts)]
-    d_ids, d_pos, d_slots, d_ctx, d_table, d_cu_q, d_cu_k, d_cu_s, d_keys, d_sample, d_order, d_bases = views
-    pre = None
-    if prefill:
-        pre = PrefillBatch(
-            q_start=nd,
-            cu_q=d_cu_q,
-            cu_k=d_cu_k,
-            max_q=max(s.num_tokens for s in prefill),
-            max_k=max(s.start + s.num_tokens for s in prefill),
-            key_slots=d_keys if has_prefix else None,
-        )
-    batch = DeviceBatch(
-        slot_mapping=d_slots,
-        num_decode=nd,
-        block_table=d_table.view(nd, width),
-        context_lens=d_ctx,
-        num_splits=num_splits,
-        prefill=pre,
-        decode_order=d_order,
-        tile_base=d_bases if tiles else None,
-        num_tiles=num_tiles,
-    )
-    if prefill and len(sample_rows) < nd + cu_q[-1] and all(s.sample for s in decode):
-        batch.sampled = replace(
-            batch, prefill=replace(pre, cu_q=d_cu_s, max_q=1) if cu_s[-1] else None)
-    written = np.concatenate(slots) // bs
-    return PackedStep(d_ids, d_pos, batch, d_sample, written)

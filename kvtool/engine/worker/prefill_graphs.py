@@ -18,9 +18,9 @@ prompt's:
 
 The graphs run the eager forward's kernels on the same one-row shapes, captured with the
 row-invariant GEMMs (`row_invariant=True` in the capture's metadata) as every prefill step runs,
-so the token's bits are the eager ones. They read one int32 buffer (token id, position, page
-slot) that `run` fills from the step's packed inputs; their outputs live in their own memory
-pool until the next `run`.
+so the token's bits are the eager ones. They read one int32 buffer (token id, position, and the
+token's page slot in each KV cache group's block) that `run` fills from the step's packed
+inputs; their outputs live in their own memory pool until the next `run`.
 
 Only the fused forward of a single-GPU model has these pieces (`supports`: what
 `fast_paths.apply_fast_paths` chose says so).
@@ -58,9 +58,13 @@ class OneTokenPrefillGraphs:
         self.decoder = model.model
         self.kv_pages = kv_pages
         device = kv_pages.device
-        # Token id, position and slot 16 bytes apart, as the packed step's own segments start.
-        self.inputs = torch.zeros(12, dtype=torch.int32, device=device)
-        self.ids, self.positions, self.slots = self.inputs[0:1], self.inputs[4:5], self.inputs[8:9]
+        # Token id, position and each KV cache group's slot 16 bytes apart, as the packed step's
+        # own segments start.
+        num_groups = kv_pages.layout.num_groups
+        self.inputs = torch.zeros(4 * (2 + num_groups), dtype=torch.int32, device=device)
+        self.ids, self.positions = self.inputs[0:1], self.inputs[4:5]
+        self.slots = [self.inputs[4 * g : 4 * g + 1] for g in range(2, 2 + num_groups)]
+        self.layer_group = kv_pages.layout.layer_group
         first = self.decoder.layers[0].self_attn
         # In the activations' dtype, q's (fp8 pages hold another).
         dtype = self.decoder.embed_tokens.weight.dtype
@@ -75,7 +79,7 @@ class OneTokenPrefillGraphs:
         decoder = self.decoder
         layers = decoder.layers
         self.inputs.zero_()
-        self.inputs[8] = -1  # the capture's runs store nothing in the pages
+        self.inputs[8::4] = -1  # the capture's runs store nothing in the pages
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.kv_pages.device)
 
@@ -102,7 +106,8 @@ class OneTokenPrefillGraphs:
             h, cos, sin, qkv = graphed(start)
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
-                self.qkv.append(graphed(lambda: rotate_qkv(attn, qkv, cos, sin, self.kv_pages, self.slots)))
+                slots = self.slots[self.layer_group[attn.layer_idx]]
+                self.qkv.append(graphed(lambda: rotate_qkv(attn, qkv, cos, sin, self.kv_pages, slots)))
 
                 def rest() -> tuple:
                     h_next, x = layer_output(decoder, i, h, attention_output(attn, self.attn_out))
@@ -113,12 +118,13 @@ class OneTokenPrefillGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward of one prompt token (input_ids, positions [1], the step's metadata: its
-        slot, its prefix's key slots and the connector's hooks). Returns the final hidden state
-        [1, hidden], graph memory: read it before the next run."""
-        db, hooks = meta.device_batch, meta.hooks
+        slot, its prefix's key slots, each KV cache group's, and the connector's hooks). Returns
+        the final hidden state [1, hidden], graph memory: read it before the next run."""
+        hooks = meta.hooks
         self.ids.copy_(input_ids)
         self.positions.copy_(positions)
-        self.slots.copy_(db.slot_mapping)
+        for slots, group_meta in zip(self.slots, meta.group_metas or [meta]):
+            slots.copy_(group_meta.device_batch.slot_mapping)
         graphs = iter(self.graphs)
         next(graphs).replay()
         for layer, (q, k, v) in zip(self.decoder.layers, self.qkv):
@@ -126,8 +132,8 @@ class OneTokenPrefillGraphs:
             if hooks is not None:
                 hooks.before_layer(attn.layer_idx)
             next(graphs).replay()
-            cuda_attention(meta, attn.layer_idx, q, k, v, attn.scale, kv_stored=True, out=self.attn_out,
-                           window=attn.sliding_window, softcap=attention_softcap(attn))
+            cuda_attention(meta.for_layer(attn.layer_idx), attn.layer_idx, q, k, v, attn.scale, kv_stored=True,
+                           out=self.attn_out, window=attn.sliding_window, softcap=attention_softcap(attn))
             if hooks is not None:
                 hooks.after_layer(attn.layer_idx)
             next(graphs).replay()

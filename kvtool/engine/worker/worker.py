@@ -45,7 +45,7 @@ class Worker:
         self.geometry = rank_kv_geometry(model_config, params.block_size, resolve_kv_dtype(params.kv_cache_dtype, dtype),
                                          tp)
         self.kv_scales = kv_scales  # an fp8 cache's (None: the model's dtype)
-        self.kv_layout = kv_cache_layout(params, model_config, max_model_len, device)  # the engine's groups
+        self.kv_layout = kv_cache_layout(params, model_config, max_model_len)  # the engine's groups
         # Built by init_cache.
         self.kv_pages: KVPages | None = None
         self.connector: WorkerHalf | None = None

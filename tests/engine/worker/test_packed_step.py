@@ -94,3 +94,51 @@ def test_steps_whose_rows_are_all_sampled_or_with_an_unsampled_decode_row_have_n
     step = pack_step([], none, [_request("a", 50, 0, False)], table, BS, cpu, 1)
     assert step.batch.sampled is not None and step.batch.sampled.prefill is None
     assert step.sample_rows.numel() == 0
+
+
+def test_each_kv_cache_group_gets_its_slots_table_and_key_slots_over_the_shared_rows(monkeypatch):
+    """A step of a two-group cache (group 0 sliding, window 40; group 1 full attention): each
+    group's batch holds that group's slots of the new tokens, its decode table (the null block
+    below the window in the sliding group's) and its prefix key slots; the token ids, positions,
+    context lengths and launch order are one set of views, and the written blocks are both groups'."""
+    from kvtool.engine.core.block_pool import NULL_BLOCK
+    from kvtool.engine.worker.cuda_step import GroupInputs, below_window
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    window = 40
+    decode = [_request("d0", 1, 70, True), _request("d1", 1, 20, True)]
+    prefill = [_request("p", 30, 64, True)]  # rows at 64..93: the window reaches back to 25
+    sliding = {"d0": np.arange(10, 15, dtype=np.int32), "d1": np.arange(20, 22, dtype=np.int32),
+               "p": np.arange(30, 36, dtype=np.int32)}
+    full = {k: v + 100 for k, v in sliding.items()}
+    rows0 = decode_rows(decode, [sliding["d0"], sliding["d1"]], BS, window)
+    rows1 = decode_rows(decode, [full["d0"], full["d1"]], BS)
+    # d0 decodes position 70: keys 31..70, so block 0 (keys 0..15) is behind the window, block 1 is not.
+    assert rows0[0, 4:].tolist() == [NULL_BLOCK, 11, 12, 13, 14] and rows0[1, 4:6].tolist() == [20, 21]
+    assert rows1[0, 4:].tolist() == [110, 111, 112, 113, 114]
+    p_table = below_window(sliding["p"], 64, window, BS)
+    assert p_table.tolist() == [NULL_BLOCK, 31, 32, 33, 34, 35] and sliding["p"][0] == 30  # a copy
+    step = pack_step(decode, rows0, prefill, [p_table], BS, torch.device("cpu"), 1, True,
+                     groups=[GroupInputs(rows1, [full["p"]])])
+    b0, b1 = step.group_batches
+    assert b0 is step.batch and all(b.context_lens is b0.context_lens for b in (b0, b1))
+    assert b1.decode_order is b0.decode_order and b1.tile_base is b0.tile_base
+    assert b1.prefill.cu_q is b0.prefill.cu_q and b1.prefill.cu_k is b0.prefill.cu_k
+
+    def slot(table, p):
+        return int(table[p // BS]) * BS + p % BS
+
+    new = list(range(64, 94))
+    assert b0.slot_mapping.tolist() == [slot(sliding["d0"], 70), slot(sliding["d1"], 20)] + [
+        slot(sliding["p"], p) for p in new]
+    assert b1.slot_mapping.tolist() == [slot(full["d0"], 70), slot(full["d1"], 20)] + [slot(full["p"], p) for p in new]
+    assert b0.block_table.tolist() == rows0[:, 4:].tolist() and b1.block_table.tolist() == rows1[:, 4:].tolist()
+    assert b0.prefill.key_slots.tolist() == [slot(p_table, k) for k in range(94)]
+    assert b1.prefill.key_slots.tolist() == [slot(full["p"], k) for k in range(94)]
+    views = [b.slot_mapping for b in (b0, b1)] + [b.block_table for b in (b0, b1)]
+    views += [b.prefill.key_slots for b in (b0, b1)]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    written = set(step.written_blocks.tolist())
+    assert written == {14, 21, 34, 35, 114, 121, 134, 135}
+    # one group: no per-group batches
+    assert pack_step(decode, rows1, prefill, [full["p"]], BS, torch.device("cpu"), 1).group_batches is None

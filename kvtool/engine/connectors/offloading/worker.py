@@ -13,7 +13,10 @@ smaller ones go as whole blocks before the forward. Stores go as whole blocks af
 beside the next step; or, when `layerwise` is set, layer by layer through the layer kernel where
 the device can address the pool (a store of layer l starts when layer l has written its K/V),
 and then loads of any size go layerwise too (through the layer kernel where the driver has no
-pitched copy). The disk writer waits for its slot's store.
+pitched copy). The disk writer waits for its slot's store. With several KV cache groups the
+pages' layer dimension holds slots (`kv.groups`), and the layerwise copies move a slot of every
+block at a time: layer l waits for its slot's loads, and a slot is saved once the last layer in
+it has written its K/V.
 
 Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
 `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
@@ -71,6 +74,8 @@ class OffloadingWorker(WorkerHalf):
         self._layer_save: tuple[list[tuple[int, int]], torch.Tensor] | None = None
         self._layer_job_ids: set[int] = set()
         self._layer_ticket = None
+        self._slot_of: tuple[int, ...] = ()  # each layer's slot in a block (`register_kv_caches`)
+        self._slot_saved_after: dict[int, int] = {}  # layer -> the slot saved after it
         # What the scheduler half is told next (the disk writer thread appends too).
         self._done_lock = threading.Lock()
         self._finished: list[int] = []
@@ -84,6 +89,15 @@ class OffloadingWorker(WorkerHalf):
                              f"the pages hold {kv_pages.layout.num_slots} ({kv_pages.layout.describe()})")
         if kv_pages.device.type == "cuda" and self.pool.pool.is_pinned():
             self.transfers = SlotTransfers(self.pool.pool, kv_pages)
+        # Layerwise transfers move a slot of the pages' layer dimension at a time (the layer
+        # itself with one KV cache group): a load's slot s is in place for every layer in slot s,
+        # and a save of slot s goes once the last layer in slot s has written its K/V.
+        layout = kv_pages.layout
+        self._slot_of = layout.layer_slot
+        last = {}
+        for layer, slot in enumerate(self._slot_of):
+            last[slot] = layer
+        self._slot_saved_after = {layer: slot for slot, layer in last.items()}
 
     def _finish_jobs(self, job_ids) -> None:
         with self._done_lock:
@@ -130,8 +144,9 @@ class OffloadingWorker(WorkerHalf):
         self._layer_job_ids = {j.job_id for j in jobs}
 
     def save_kv_layer(self, layer: int) -> None:
-        if self._layer_save is not None:
-            ticket = self.transfers.store_layer(*self._layer_save, layer)
+        slot = self._slot_saved_after.get(layer)
+        if self._layer_save is not None and slot is not None:
+            ticket = self.transfers.store_layer(*self._layer_save, slot)
             if ticket is not None:
                 self._layer_ticket = ticket
 
@@ -193,7 +208,7 @@ class OffloadingWorker(WorkerHalf):
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layerwise_step:
-            self.transfers.wait_layer(layer)
+            self.transfers.wait_layer(self._slot_of[layer])
 
     def order_page_writes(self, block_ids) -> None:
         """Called by the runner before the forward with the page blocks it writes: the compute

@@ -119,7 +119,6 @@ class StoreTicket:
 
 class SlotTransfers:
     def __init__(self, pool: torch.Tensor, pages: KVPages) -> None:
-        g = pages.geometry
         if pages.quantized:  # an fp8 cache's bytes move as uint8 (torch has no index_copy_ of fp8)
             pool = pool.view(torch.uint8)
         # [num_slots * bps, 2, L, bs, H, D]: a view, no copy
@@ -127,8 +126,10 @@ class SlotTransfers:
         self.pages = pages
         # The pages as the copies address them: the same bytes, uint8 for an fp8 cache.
         self.page_tensor = pages.tensor.view(torch.uint8) if pages.quantized else pages.tensor
-        self.block_bytes = g.bytes_per_block
-        self.num_layers = g.num_layers
+        self.block_bytes = pages.block_bytes
+        # The pages' layer dimension: the model's layers, or each KV cache group's slots
+        # (`kv.groups`); "layer" below means an index into it.
+        self.num_layers = pages.layout.num_slots
         device = pages.device
         # Loads gate the forward (layer by layer when layerwise): their kernels go first.
         self.load_stream = torch.cuda.Stream(device, priority=-1)
@@ -146,8 +147,8 @@ class SlotTransfers:
         self._layer_copy = None
         self._rows_ok: bool | None = None  # pitched copies work (checked once)
         # Layers per pitched copy in layerwise loads: rows of that many layers' pieces.
-        piece_bytes = g.bytes_per_block // (2 * g.num_layers)
-        self.layers_per_copy = max(1, min(g.num_layers, -(-LOAD_ROW_BYTES // piece_bytes)))
+        piece_bytes = self.block_bytes // (2 * self.num_layers)
+        self.layers_per_copy = max(1, min(self.num_layers, -(-LOAD_ROW_BYTES // piece_bytes)))
         # Index tensors go to the device through reused pinned buffers (pinning a fresh one per
         # load costs milliseconds on the load's critical path).
         self._index_staging = PinnedStaging(torch.int64)
