@@ -23,6 +23,9 @@ Sections:
               (batch-1 TPOT, throughput on the `throughput` workload), Gemma 3 4B's text model (cold
               prefill 8k and 32k, TPOT, KV bytes per token of a 32k context beside the bound of a
               cache whose local layers keep their window only); --quick: Qwen2.5-7B, the MoE, Gemma
+  tiles       every candidate tile of the row-invariant GEMM on Qwen3-8B's and Qwen3-0.6B's decode
+              shapes at 1/8/64 rows from CUDA graphs: bits against the configured tiles', the
+              fastest beside them, the one-row GEMV and cuBLAS
   profile     where a batch-1 decode step of Qwen3-8B spends its GPU time, batch-invariant (the
               default) and not: torch.profiler over 64 decode steps at 2k context, the kernels by
               total time (printed; one row per mode with the step's summed kernel time)
@@ -1082,6 +1085,70 @@ def section_lm():
         server.kill()
 
 
+# ---- tiles -------------------------------------------------------------------------------------
+
+# Qwen3-0.6B's projections (N, K): q/k/v, o_proj, gate/up, down_proj; and both models' LM heads.
+QWEN3_06B_PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+LM_HEADS = ((151936, 4096), (151936, 1024))
+TILE_ROWS = (1, 8, 64)
+
+
+def tile_candidates(rows: int) -> list[tuple[int, int, int, int, int]]:
+    """(BM, BN, BK, warps, stages) worth timing for `rows` rows: the smallest row tiles that hold
+    them, every column width and K step."""
+    bms = [bm for bm in (16, 64) if bm == 16 or bm <= rows]
+    return [(bm, bn, bk, warps, stages) for bm in bms for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
+            for warps in (4, 8) for stages in (3, 4) if bn * bk <= 32768 and (warps == 4 or bn >= 64)]
+
+
+def section_tiles():
+    """Every candidate tile of the row-invariant GEMM (`row_invariant_gemm.triton_mm`) on the
+    decode shapes of Qwen3-8B and Qwen3-0.6B at 1 to 64 rows, each replayed from a CUDA graph:
+    its bits against the configured tiles' (they must be equal: only speed may differ), the
+    fastest beside the configured one, the one-row GEMV (not invariant) and cuBLAS."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench_cudagraph
+
+    from kvtool.engine.kernels.gemv import gemv
+    from kvtool.engine.kernels.row_invariant_gemm import config_for, triton_mm
+    from kvtool.engine.kernels.tiles import sm_count
+
+    sms = sm_count(torch.device("cuda"))
+    shapes = [("8b", n, k) for n, k in QWEN3_8B_PROJECTIONS] + [("0.6b", n, k) for n, k in QWEN3_06B_PROJECTIONS]
+    shapes += [("8b", *LM_HEADS[0]), ("0.6b", *LM_HEADS[1])]
+    for model, n, k in shapes:
+        w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        for rows in TILE_ROWS:
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            default = config_for(rows, n, sms)
+            ref = triton_mm(x, w, default)
+
+            def bench(fn) -> float:
+                return do_bench_cudagraph(fn, rep=25)
+
+            default_ms = bench(lambda: triton_mm(x, w, default))
+            best, best_ms, differ = default, default_ms, []
+            for cfg in tile_candidates(rows):
+                try:
+                    out = triton_mm(x, w, cfg)
+                    ms = bench(lambda: triton_mm(x, w, cfg))
+                except Exception as e:  # a tile too large for shared memory or registers
+                    print(f"# tiles {model} N={n} K={k} M={rows} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if not torch.equal(out, ref):
+                    differ.append(cfg)
+                    continue
+                if ms < best_ms:
+                    best, best_ms = cfg, ms
+            extra = {"cublas_ms": round(bench(lambda: F.linear(x, w)), 4)}
+            if rows == 1 and n <= 32768:
+                extra["gemv_ms"] = round(bench(lambda: gemv(x, w)), 4)
+            record("tiles", f"row-invariant GEMM {model} N={n} K={k}, {rows} rows", n * k * 2 / best_ms / 1e9, "TB/s",
+                   HBM_TBS, ms=round(best_ms, 4), best=list(best), default=list(default),
+                   default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ], **extra)
+
+
 # ---- profile -----------------------------------------------------------------------------------
 
 PROFILE_STEPS = 64
@@ -1126,7 +1193,7 @@ def section_profile():
 SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
-    "models": section_models, "profile": section_profile,
+    "models": section_models, "profile": section_profile, "tiles": section_tiles,
 }
 
 
