@@ -912,17 +912,31 @@ def kvtool_models(preset: str, measures, warm: list[int], work: dict) -> None:
 
 
 def record_kv_memory(preset: str, engine, context: int = 32768) -> None:
-    """KV bytes per token of a `context`-token sequence in kvtool's pages, beside what a model
-    whose sliding-window layers kept only their window would hold (global layers' share plus the
-    local layers' window share of a full-attention model's bytes)."""
+    """KV bytes per token a `context`-token sequence holds in kvtool's pages while it decodes
+    (blocks taken from the pool, read after each step, times the bytes of a block), beside a
+    full-attention cache's and the bound of one whose sliding-window layers keep only their
+    window (global layers' share plus the local layers' window share)."""
+    from kvtool.engine.params import SamplingParams
+
     cfg = engine.model_config
-    full = engine.executor.worker.kv_pages.geometry.bytes_per_token
+    pages = engine.executor.worker.kv_pages
+    full = pages.geometry.bytes_per_token
+    free = engine.stats().num_free_blocks
+    rid = engine.add_request(tokens(context - 8, 11), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.has_unfinished_requests():
+            held.append(free - engine.stats().num_free_blocks)
+    engine.pop_result(rid)
+    measured = held[-1] * pages.block_bytes / context
     window = cfg.sliding_window or context
     local = len(cfg.gemma.sliding_layers) if cfg.gemma is not None else (cfg.num_layers if cfg.sliding_window else 0)
     bound = full * ((cfg.num_layers - local) + local * min(window, context) / context) / cfg.num_layers
-    record("models", f"{preset} KV bytes per token of a {context // 1024}k context", full, "B", None,
-           windowed_bound=round(bound, 1), ratio_to_bound=round(full / bound, 3), local_layers=local,
-           layers=cfg.num_layers, sliding_window=window)
+    record("models", f"{preset} KV bytes per token of a {context // 1024}k context, decoding", measured, "B", None,
+           full_attention=full, windowed_bound=round(bound, 1), ratio_to_bound=round(measured / bound, 3),
+           layout=pages.layout.describe(), blocks_held=held, local_layers=local, layers=cfg.num_layers,
+           sliding_window=window)
 
 
 def vllm_models(preset: str, measures, warm: list[int], work: dict) -> None:
