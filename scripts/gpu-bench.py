@@ -25,7 +25,7 @@ Sections:
               cache whose local layers keep their window only); --quick: Qwen2.5-7B, the MoE, Gemma
   tiles       every candidate tile of the row-invariant GEMM on Qwen3-8B's and Qwen3-0.6B's decode
               shapes at 1/8/64 rows from CUDA graphs: bits against the configured tiles', the
-              fastest beside them, the one-row GEMV and cuBLAS
+              fastest beside them, the one-row GEMV and cuBLAS (--quick: Qwen3-8B's projections, 1 row)
   profile     where a batch-1 decode step of Qwen3-8B spends its GPU time, batch-invariant (the
               default) and not: torch.profiler over 64 decode steps at 2k context, the kernels by
               total time (printed; one row per mode with the step's summed kernel time)
@@ -1131,9 +1131,11 @@ def section_tiles():
     sms = sm_count(torch.device("cuda"))
     shapes = [("8b", n, k) for n, k in QWEN3_8B_PROJECTIONS] + [("0.6b", n, k) for n, k in QWEN3_06B_PROJECTIONS]
     shapes += [("8b", *LM_HEADS[0]), ("0.6b", *LM_HEADS[1])]
+    if QUICK:  # Qwen3-8B's projections at one row
+        shapes = [s for s in shapes if s[0] == "8b" and s[1] <= 32768]
     for model, n, k in shapes:
         w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
-        for rows in TILE_ROWS:
+        for rows in TILE_ROWS[:1] if QUICK else TILE_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
             default = config_for(rows, n, sms)
             ref = triton_mm(x, w, default)

@@ -39,14 +39,14 @@ def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
 
     configs = {cfg for _, cfg in CONFIGS}
     # and the narrowed tiles of decode-sized steps
-    rows_seen = (1, 16, 32, 64, 128, 160, 192, 256, 512)
+    rows_seen = (1, 2, 3, 8, 16, 32, 64, 128, 160, 192, 256, 512)
     configs |= {config_for(rows, n, 132) for rows in rows_seen for n, _ in SHAPES[model] + [(151936, 1024)]}
     configs |= {row_count_tiles(rows, n, 132) for rows in rows_seen for n, _ in SHAPES[model]}
     assert any(cfg[1] == 32 and cfg[0] >= 64 for cfg in configs)
     for n, k in SHAPES[model]:
         a, w = _operands(n, k, 1100)
         whole = triton_mm(a, w)
-        for rows in (1, 5, 16, 33, 200, 1023):
+        for rows in (1, 2, 3, 5, 8, 16, 33, 64, 200, 256, 1023):
             assert torch.equal(triton_mm(a[-rows:], w), whole[-rows:]), (n, k, rows)
         for cfg in configs:
             assert torch.equal(triton_mm(a[:300], w, cfg), whole[:300]), (n, k, cfg)
