@@ -2,7 +2,8 @@
 block tables through the CUDA kernels, the decode graphs and the one-token prefill graphs give
 the bits of a cache that keeps every token in one full-attention group, batched and alone, with
 prefix hits; and the OffloadingConnector stores and reloads every group on CUDA, whole blocks and
-layerwise (a slot of every block at a time), from the CPU tier and from disk, with those bits.
+layerwise (a slot of every block at a time), from the CPU tier and from disk, and LMCache's connector
+in its blake3 key mode through an lm:// store, with those bits.
 Skipped without CUDA.
 """
 
@@ -139,3 +140,30 @@ def test_every_group_offloads_and_reloads_on_cuda(model_dir, reference, tmp_path
     finally:
         restarted.close()
     assert _outputs(from_disk) == reference
+
+
+def test_lmcache_stores_and_loads_every_group_on_cuda(model_dir, reference):
+    """LMCache's connector in kvtool's blake3 key mode keeps the model's groups on CUDA: a
+    second engine on the same lm:// store loads every prompt's chunks of every group and gives
+    the reference bits. (The store is tests/support/memory_lm_server.py, which speaks LMCache's
+    protocol: LMCache's own server is not installed on the GPU machine.)"""
+    from tests.support.port_process import port_process
+
+    prompts = PROMPTS + [LONG]
+    with port_process("memory_lm_server.py") as port:
+        ktc = json.dumps({"kv_connector": "LMCacheConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+                          "kv_connector_extra_config": {"host": "127.0.0.1", "port": port}})
+        writer = _engine(model_dir, ktc, enable_prefix_caching=False)
+        try:
+            assert writer.kv_layout.hybrid
+            assert _outputs(writer.generate(prompts, GREEDY)) == reference
+            writer.executor.worker.connector.flush()
+        finally:
+            writer.close()
+        reader = _engine(model_dir, ktc, enable_prefix_caching=False)
+        try:
+            loaded = reader.generate(prompts, GREEDY)
+        finally:
+            reader.close()
+    assert _outputs(loaded) == reference
+    assert all(r.stats.num_external_tokens > 0 for r in loaded)
