@@ -33,7 +33,7 @@ def kv_cache_layout(params: EngineParams, config, max_model_len: int) -> KVCache
     windows differ or bind, as vLLM's hybrid KV cache manager forms them; one full-attention
     group of every layer (windows as masks) with --disable-hybrid-kv-cache-manager where sliding
     and global layers mix (a model whose layers all share one window keeps its window group, as
-    in vLLM), and wherever the engine cannot free blocks behind a window (`hybrid_unsupported`).
+    in vLLM), and with a connector that does not move every group (`hybrid_unsupported`).
     --no-disable-hybrid-kv-cache-manager there is refused in one line, as vLLM refuses it."""
     windows = layer_windows(config, max_model_len)
     flag = params.disable_hybrid_kv_cache_manager

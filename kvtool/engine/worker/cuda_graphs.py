@@ -129,10 +129,11 @@ class DecodeGraphs:
         host[batch:bucket, self.tile_col] = num_tiles
         host[:batch, self.order_col] = longest_first(rows[:, 3])
         host[batch:bucket, self.order_col] = np.arange(batch, bucket, dtype=np.int32)
+        w = cols - NUM_FIXED  # table columns of this step
         for c, g_rows in zip(self.group_cols, group_rows):
             host[:batch, c] = g_rows[:, 2]
             host[batch:bucket, c] = -1
-            host[:batch, c + 1 : c + cols - NUM_FIXED + 1] = g_rows[:, NUM_FIXED:]
+            host[:batch, c + 1 : c + 1 + w] = g_rows[:, NUM_FIXED:]
         # Whole rows: one contiguous copy. Columns past a row's context are never read.
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
         self.copied.record()

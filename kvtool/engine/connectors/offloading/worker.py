@@ -92,11 +92,8 @@ class OffloadingWorker(WorkerHalf):
         # Layerwise transfers move a slot of the pages' layer dimension at a time (the layer
         # itself with one KV cache group): a load's slot s is in place for every layer in slot s,
         # and a save of slot s goes once the last layer in slot s has written its K/V.
-        layout = kv_pages.layout
-        self._slot_of = layout.layer_slot
-        last = {}
-        for layer, slot in enumerate(self._slot_of):
-            last[slot] = layer
+        self._slot_of = kv_pages.layout.layer_slot
+        last = {slot: layer for layer, slot in enumerate(self._slot_of)}  # the last layer in each slot
         self._slot_saved_after = {layer: slot for slot, layer in last.items()}
 
     def _finish_jobs(self, job_ids) -> None:
