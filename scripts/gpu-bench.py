@@ -1,7 +1,7 @@
 """GPU benchmarks of kvtool's CUDA paths, each figure with its floor and, where asked, vLLM beside it.
 
 Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [--quick]
-           [--engines kvtool,vllm] [--vllm-site DIR]
+           [--engines kvtool,vllm] [--vllm-site DIR] [--tiles FILE]
 
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
@@ -1161,8 +1161,33 @@ def section_tiles():
             if rows == 1 and n <= 32768:
                 extra["gemv_ms"] = round(bench(lambda: gemv(x, w)), 4)
             record("tiles", f"row-invariant GEMM {model} N={n} K={k}, {rows} rows", n * k * 2 / best_ms / 1e9, "TB/s",
-                   HBM_TBS, ms=round(best_ms, 4), best=list(best), default=list(default),
+                   HBM_TBS, n=n, k=k, rows=rows, ms=round(best_ms, 4), best=list(best), default=list(default),
                    default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ], **extra)
+
+
+def use_swept_tiles(path: Path) -> None:
+    """--tiles FILE: the row-invariant GEMM takes, for each (N, K) a `tiles` run timed, the fastest
+    tiles it found at the fewest rows it timed that hold the product's rows (its configured tiles
+    elsewhere). Every candidate gives the configured tiles' bits (`tiles` checks that), so this
+    changes the speed of the engines this run builds, never their output."""
+    from kvtool.engine.kernels import row_invariant_gemm
+
+    best: dict[tuple[int, int], list[tuple[int, tuple]]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("section") == "tiles" and "rows" in r and not r["differing_bits"]:
+            best.setdefault((r["n"], r["k"]), []).append((r["rows"], tuple(r["best"])))
+    for found in best.values():
+        found.sort()
+    configured = row_invariant_gemm.triton_mm
+
+    def triton_mm(a, w, config=None):
+        if config is None:
+            config = next((cfg for rows, cfg in best.get((w.shape[0], w.shape[1]), ()) if a.shape[0] <= rows), None)
+        return configured(a, w, config)
+
+    row_invariant_gemm.triton_mm = triton_mm
+    print(f"# tiles from {path}: {json.dumps({f'{n}x{k}': v for (n, k), v in best.items()})}", flush=True)
 
 
 # ---- profile -----------------------------------------------------------------------------------
@@ -1251,6 +1276,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                     help="every engine's KV cache dtype, both arms (default: auto, the model's)")
     ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
+    ap.add_argument("--tiles", type=Path, metavar="FILE",
+                    help="a `tiles` run's JSON lines: kvtool's row-invariant GEMM takes the fastest tiles found there")
     a = ap.parse_args()
     MODELS = None if a.models is None else {m.strip() for m in a.models.split(",")}
     if MODELS is not None and MODELS - {p for p, _ in MODEL_ROWS}:
@@ -1267,6 +1294,8 @@ def main() -> None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
     VLLM_SITE = str(Path(a.vllm_site).resolve()) if a.vllm_site else None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.tiles is not None:
+        use_swept_tiles(a.tiles)
     for name in a.sections:
         t0 = time.perf_counter()
         SECTIONS[name]()
