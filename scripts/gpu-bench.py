@@ -1165,13 +1165,9 @@ def section_tiles():
                    default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ], **extra)
 
 
-def use_swept_tiles(path: Path) -> None:
-    """--tiles FILE: the row-invariant GEMM takes, for each (N, K) a `tiles` run timed, the fastest
-    tiles it found at the fewest rows it timed that hold the product's rows (its configured tiles
-    elsewhere). Every candidate gives the configured tiles' bits (`tiles` checks that), so this
-    changes the speed of the engines this run builds, never their output."""
-    from kvtool.engine.kernels import row_invariant_gemm
-
+def swept_tiles(path: Path) -> dict[tuple[int, int], list[tuple[int, tuple]]]:
+    """A `tiles` run's JSON lines as {(N, K): [(rows, fastest tiles), ...] by rows}, leaving out
+    any product whose candidates' bits differed from its configured tiles'."""
     best: dict[tuple[int, int], list[tuple[int, tuple]]] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
@@ -1179,12 +1175,26 @@ def use_swept_tiles(path: Path) -> None:
             best.setdefault((r["n"], r["k"]), []).append((r["rows"], tuple(r["best"])))
     for found in best.values():
         found.sort()
+    return best
+
+
+def swept_config(best: dict[tuple[int, int], list[tuple[int, tuple]]], m: int, n: int, k: int) -> tuple | None:
+    """The tiles for an [m, k] x [n, k] product: those found at the fewest rows timed that hold m
+    rows, None (the configured tiles) for a shape or a row count past what the sweep timed."""
+    return next((cfg for rows, cfg in best.get((n, k), ()) if m <= rows), None)
+
+
+def use_swept_tiles(path: Path) -> None:
+    """--tiles FILE: kvtool's row-invariant GEMM takes `swept_config`'s tiles. Every candidate
+    gives the configured tiles' bits (`tiles` checks that), so this changes the speed of the
+    engines this run builds, never their output."""
+    from kvtool.engine.kernels import row_invariant_gemm
+
+    best = swept_tiles(path)
     configured = row_invariant_gemm.triton_mm
 
     def triton_mm(a, w, config=None):
-        if config is None:
-            config = next((cfg for rows, cfg in best.get((w.shape[0], w.shape[1]), ()) if a.shape[0] <= rows), None)
-        return configured(a, w, config)
+        return configured(a, w, config or swept_config(best, a.shape[0], w.shape[0], w.shape[1]))
 
     row_invariant_gemm.triton_mm = triton_mm
     print(f"# tiles from {path}: {json.dumps({f'{n}x{k}': v for (n, k), v in best.items()})}", flush=True)

@@ -1,0 +1,34 @@
+"""scripts/gpu-bench.py --tiles: the engines of a run take, per product shape, the fastest tiles
+a `tiles` run found at the fewest rows it timed that hold the product's rows, and their
+configured tiles everywhere else (and wherever a candidate's bits differed)."""
+
+import importlib.util
+import json
+
+from tests.conftest import REPO
+
+
+def _gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "scripts" / "gpu-bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_swept_tiles_are_chosen_by_shape_and_row_count(tmp_path):
+    bench = _gpu_bench()
+    rows = [
+        {"section": "tiles", "n": 64, "k": 32, "rows": 8, "best": [16, 32, 256, 4, 4], "differing_bits": []},
+        {"section": "tiles", "n": 64, "k": 32, "rows": 1, "best": [16, 16, 512, 4, 3], "differing_bits": []},
+        {"section": "tiles", "n": 64, "k": 48, "rows": 1, "best": [16, 16, 64, 4, 3],
+         "differing_bits": [[16, 64, 64, 4, 3]]},
+        {"section": "decode", "metric": "not a tiles row"},
+    ]
+    path = tmp_path / "tiles.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    best = bench.swept_tiles(path)
+    assert bench.swept_config(best, 1, 64, 32) == (16, 16, 512, 4, 3)
+    assert bench.swept_config(best, 5, 64, 32) == bench.swept_config(best, 8, 64, 32) == (16, 32, 256, 4, 4)
+    assert bench.swept_config(best, 9, 64, 32) is None  # more rows than the sweep timed: the configured tiles
+    assert bench.swept_config(best, 1, 32, 64) is None  # a shape the sweep did not time
+    assert bench.swept_config(best, 1, 64, 48) is None  # a sweep whose candidates' bits differed is not used
