@@ -26,9 +26,10 @@ Sections:
   tiles       every candidate tile of the row-invariant GEMM on Qwen3-8B's and Qwen3-0.6B's decode
               shapes at 1/8/64 rows from CUDA graphs: bits against the configured tiles', the
               fastest beside them, the one-row GEMV and cuBLAS (--quick: Qwen3-8B's projections, 1 row)
-  profile     where a batch-1 decode step of Qwen3-8B spends its GPU time, batch-invariant (the
-              default) and not: torch.profiler over 64 decode steps at 2k context, the kernels by
-              total time (printed; one row per mode with the step's summed kernel time)
+  profile     where decode steps spend their GPU time, batch-invariant (the default) and not:
+              torch.profiler over 64 decode steps of Qwen3-8B at batch 1 (2k context) and of
+              Qwen3-0.6B at batch 256 (512-token prompts), the kernels by total time (printed; one
+              row per case and mode with the summed kernel time per step); --quick: batch 1 only
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
               local in-memory server in a separate process (tests/support/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
@@ -1203,11 +1204,15 @@ def use_swept_tiles(path: Path) -> None:
 # ---- profile -----------------------------------------------------------------------------------
 
 PROFILE_STEPS = 64
+# (preset, batch, prompt length): one request's decode at 2k context, where batch-1 TPOT goes;
+# 256 requests of 512 tokens, where the throughput workload's decode steps go.
+PROFILE_CASES = (("qwen3-8b", 1, 2048), ("qwen3-0.6b", 256, 512))
 
 
 def section_profile():
-    """torch.profiler over one request's decode steps per mode: each kernel's total and per-step
-    time, the top ones printed, the summed kernel time per step recorded."""
+    """torch.profiler over PROFILE_STEPS decode steps of each PROFILE_CASES batch, batch-invariant
+    (the default) and not: each kernel's total and per-step time, the top ones printed, the summed
+    kernel time per step recorded. --quick: the batch-1 case alone."""
     import gc
 
     import torch
@@ -1216,29 +1221,34 @@ def section_profile():
     from kvtool.engine.params import SamplingParams
 
     sp = SamplingParams(max_tokens=PROFILE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    prompt = tokens(2048, 5)
-    for invariant in (True, False):
-        engine = make_engine("qwen3-8b", enable_prefix_caching=False, batch_invariant=invariant, max_model_len=4096)
-        engine.generate([prompt], sp)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.generate([prompt], sp)
-        engine.close()
-        rows = []
-        for event in prof.key_averages():
-            total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-            if total_us > 0:
-                rows.append((total_us, event.count, event.key))
-        rows.sort(reverse=True)
-        mode = "batch-invariant" if invariant else "--no-batch-invariant"
-        kernels_us = sum(r[0] for r in rows if not r[2].startswith(("cudaGraph", "Memcpy", "Memset")))
-        print(f"# profile {mode}: kernels {kernels_us / PROFILE_STEPS / 1e3:.3f} ms per step", flush=True)
-        for total_us, count, name in rows[:25]:
-            print(f"#   {total_us / PROFILE_STEPS:9.1f} us/step  {count:6d}x  {name[:110]}", flush=True)
-        record("profile", f"Qwen3-8B decode step kernel time, batch 1, {mode}", kernels_us / PROFILE_STEPS / 1e3,
-               "ms", None, top=[[round(t / PROFILE_STEPS, 1), c, n[:110]] for t, c, n in rows[:25]])
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+    for preset, batch, length in PROFILE_CASES[:1] if QUICK else PROFILE_CASES:
+        prompts = [tokens(length, 5 + i) for i in range(batch)]
+        for invariant in (True, False):
+            engine = make_engine(preset, enable_prefix_caching=False, batch_invariant=invariant,
+                                 max_model_len=4096, max_num_seqs=max(batch, 8))
+            engine.generate(prompts, sp)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.generate(prompts, sp)
+            engine.close()
+            rows = []
+            for event in prof.key_averages():
+                total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+                if total_us > 0:
+                    rows.append((total_us, event.count, event.key))
+            rows.sort(reverse=True)
+            mode = "batch-invariant" if invariant else "--no-batch-invariant"
+            # The prefill steps are in the totals too: one chunk of the batch's prompts beside 64 steps.
+            kernels_us = sum(r[0] for r in rows if not r[2].startswith(("cudaGraph", "Memcpy", "Memset")))
+            print(f"# profile {preset} batch {batch} {mode}: kernels {kernels_us / PROFILE_STEPS / 1e3:.3f} ms per step",
+                  flush=True)
+            for total_us, count, name in rows[:25]:
+                print(f"#   {total_us / PROFILE_STEPS:9.1f} us/step  {count:6d}x  {name[:110]}", flush=True)
+            record("profile", f"{preset} decode step kernel time, batch {batch} ({length}-token prompts, "
+                   f"prefill included), {mode}", kernels_us / PROFILE_STEPS / 1e3, "ms", None,
+                   top=[[round(t / PROFILE_STEPS, 1), c, n[:110]] for t, c, n in rows[:25]])
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 SECTIONS = {
