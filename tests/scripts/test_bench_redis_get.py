@@ -47,3 +47,25 @@ def test_every_path_is_measured_beside_the_socket_reads_and_lmcaches_connectors(
     for row in (by[("lmcache", "redis", 4)], by[("lmcache", "resp", 8)]):
         assert {"kvtool_1_over_lmcache", "kvtool_4_over_lmcache"} <= row.keys()
     assert all(r["host"]["io_threads"] == 2 and r["host"]["redis_server"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_machine_without_the_peer_environment_measures_lm_against_the_in_memory_server(tmp_path):
+    """The GPU machine's form (`--no-lmcache --lm-server memory`): every kvtool path and both socket
+    baselines, LMCache's connectors left out, nothing left running."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "bench-redis-get"), "--layers", "2", "--kv-heads", "1",
+         "--head-dim", "64", "--chunks", "2", "--repeats", "1", "--io-threads", "2", "--no-lmcache",
+         "--lm-server", "memory", "--stores", "lm,redis,resp", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert session_members(proc.pid) == []
+    by = {(r["measure"], r["store"], r["connections"]): r for r in map(json.loads, out.read_text().splitlines())}
+    for store in ("lm", "redis", "resp"):
+        for n in (1, 4):
+            assert len(by[("get", store, n)]["runs_gb_s"]) == 1
+    assert ("socket", "lm server", 4) in by and ("socket", "redis-server", 4) in by
+    assert not any(measure == "lmcache" for measure, _, _ in by)
