@@ -1,7 +1,7 @@
 """GPU benchmarks of kvtool's CUDA paths, each figure with its floor and, where asked, vLLM beside it.
 
 Usage: python scripts/gpu-bench.py SECTION [SECTION ...] [--out results.jsonl] [--quick]
-           [--engines kvtool,vllm] [--vllm-site DIR] [--tiles FILE]
+           [--engines kvtool,vllm] [--vllm-site DIR] [--tiles FILE] [--invariance-arms]
 
 Sections:
   env         GPU, versions, the SDPA backend torch picks for prefill shapes
@@ -77,6 +77,7 @@ QUICK = False
 ENGINES: tuple[str, ...] = ("kvtool",)
 VLLM_SITE: str | None = None
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype: every engine's, in both arms
+INVARIANCE_ARMS = False  # --invariance-arms: decode runs graphs + async scheduling, invariant and not, only
 VLLM_ARM = Path(__file__).resolve().parent / "gpu-bench-vllm.py"
 VLLM_TIMEOUT_S = 1200  # one vLLM process: start-up, compile, graphs and the section's requests
 
@@ -739,8 +740,8 @@ def kvtool_decode(preset: str, warm: list[int], prompts: list[list[int]]) -> Non
 
     default_invariant = default_batch_invariant()
     sp = SamplingParams(max_tokens=DECODE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    for graphs, async_scheduling, invariant in ((True, True, False), (True, True, True), (True, False, False),
-                                                (False, True, False)):
+    arms = ((True, True, False), (True, True, True), (True, False, False), (False, True, False))
+    for graphs, async_scheduling, invariant in arms[:2] if INVARIANCE_ARMS else arms:
         engine = make_engine(preset, num_gpu_blocks=600, max_model_len=8192, enforce_eager=not graphs,
                              async_scheduling=async_scheduling, batch_invariant=invariant)
         engine.generate([warm], sp)
@@ -1280,7 +1281,7 @@ def side_by_side(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    global OUT, QUICK, ENGINES, VLLM_SITE, MODELS, KV_CACHE_DTYPE
+    global OUT, QUICK, ENGINES, VLLM_SITE, MODELS, KV_CACHE_DTYPE, INVARIANCE_ARMS
     if len(sys.argv) == 7 and sys.argv[1] == "--read-lm":
         read_lm(*map(int, sys.argv[2:]))
         return
@@ -1296,6 +1297,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                     help="every engine's KV cache dtype, both arms (default: auto, the model's)")
     ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
+    ap.add_argument("--invariance-arms", action="store_true",
+                    help="decode: only the graphs + async scheduling arms, batch-invariant and not")
     ap.add_argument("--tiles", type=Path, metavar="FILE",
                     help="a `tiles` run's JSON lines: kvtool's row-invariant GEMM takes the fastest tiles found there")
     a = ap.parse_args()
@@ -1309,7 +1312,7 @@ def main() -> None:
         ap.error(f"--vllm-site {a.vllm_site}: no vllm package in it")
     if "vllm" in engines and not set(a.sections) & set(VLLM_SECTIONS):
         ap.error(f"the vllm arm runs in {', '.join(VLLM_SECTIONS)} only")
-    OUT, QUICK, ENGINES, KV_CACHE_DTYPE = a.out, a.quick, engines, a.kv_cache_dtype
+    OUT, QUICK, ENGINES, KV_CACHE_DTYPE, INVARIANCE_ARMS = a.out, a.quick, engines, a.kv_cache_dtype, a.invariance_arms
     if OUT is not None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
     VLLM_SITE = str(Path(a.vllm_site).resolve()) if a.vllm_site else None
