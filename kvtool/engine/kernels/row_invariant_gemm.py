@@ -63,12 +63,12 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
     tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def config_for(rows: int, n: int | None = None, num_sms: int = 0, k: int = 0) -> tuple[int, int, int, int, int]:
-    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns and k inputs on
-    num_sms SMs): `decode_tiles` up to DECODE_ROWS rows, `row_count_tiles` above. The bits are the
-    same whichever tiles run."""
+def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
+    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs):
+    `decode_tiles` up to DECODE_ROWS rows, `row_count_tiles` above. The bits are the same whichever
+    tiles run."""
     if n is not None and rows <= DECODE_ROWS:
-        return decode_tiles(rows, n, num_sms, k)
+        return decode_tiles(rows, n, num_sms)
     return row_count_tiles(rows, n, num_sms)
 
 
@@ -94,7 +94,7 @@ DECODE_ROWS = 256
 WIDE_OUTPUT = 32768
 
 
-def decode_tiles(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int, int, int, int]:
+def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, int]:
     """Tiles for a decode-sized product, from a sweep of the presets' decode shapes (Qwen3-0.6B
     at 16-256 rows), where they beat the row-count tiles."""
     if n >= WIDE_OUTPUT:
@@ -110,14 +110,13 @@ def decode_tiles(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int,
     return bm, bn, bk, 4, 3
 
 
-def warm_up_rows(shapes: set[tuple[int, int]], num_sms: int) -> list[int]:
+def warm_up_rows(widths: set[int], num_sms: int) -> list[int]:
     """Row counts below CUBLAS_MIN_ROWS that between them reach every tile configuration
-    `config_for` picks for products of these weight shapes (N, K): one product of each compiles
-    them all."""
+    `config_for` picks for outputs of these widths: one product of each compiles them all."""
     seen: set[tuple[int, int, int, int, int]] = set()
     rows_needed = []
     for rows in range(1, CUBLAS_MIN_ROWS):
-        configs = {config_for(rows, n, num_sms, k) for n, k in shapes}
+        configs = {config_for(rows, n, num_sms) for n in widths}
         if not configs <= seen:
             seen |= configs
             rows_needed.append(rows)
@@ -135,7 +134,7 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device), k)
+    bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
                        BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
