@@ -7,10 +7,12 @@ stopped by their PID when the run ends: a signal, a bounded wait, then SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
@@ -32,4 +34,17 @@ def stop_by_pid(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: floa
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def port_process(argv: list[str]) -> Iterator[int]:
+    """Run `argv`, a server that prints the port it listens on as its first line; yield that port;
+    kill it by PID when the block ends."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
         proc.wait()
