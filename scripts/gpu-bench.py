@@ -1139,7 +1139,7 @@ def section_tiles():
         w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
         for rows in TILE_ROWS[:1] if QUICK else TILE_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
-            default = config_for(rows, n, sms)
+            default = config_for(rows, n, sms, k)
             ref = triton_mm(x, w, default)
 
             def bench(fn) -> float:

@@ -63,12 +63,12 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_a, stride_w, stride_c,
     tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def config_for(rows: int, n: int | None = None, num_sms: int = 0) -> tuple[int, int, int, int, int]:
-    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns on num_sms SMs):
-    `decode_tiles` up to DECODE_ROWS rows, `row_count_tiles` above. The bits are the same whichever
-    tiles run."""
+def config_for(rows: int, n: int | None = None, num_sms: int = 0, k: int = 0) -> tuple[int, int, int, int, int]:
+    """The tile configuration `triton_mm` uses for `rows` rows (of n output columns and k inputs on
+    num_sms SMs): `decode_tiles` up to DECODE_ROWS rows, `row_count_tiles` above. The bits are the
+    same whichever tiles run."""
     if n is not None and rows <= DECODE_ROWS:
-        return decode_tiles(rows, n, num_sms)
+        return decode_tiles(rows, n, num_sms, k)
     return row_count_tiles(rows, n, num_sms)
 
 
@@ -94,15 +94,23 @@ DECODE_ROWS = 256
 WIDE_OUTPUT = 32768
 
 
-def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """Tiles for a decode-sized product, from a sweep of the presets' decode shapes (Qwen3-0.6B
-    at 16-256 rows), where they beat the row-count tiles."""
+def decode_tiles(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int, int, int, int]:
+    """Tiles for a decode-sized product of n outputs from k inputs, from sweeps of the presets'
+    decode shapes (Qwen3-0.6B at 16-256 rows, Qwen3-8B's projections at one row), where they beat
+    the row-count tiles."""
     if n >= WIDE_OUTPUT:
         if rows <= 32:
             return (16 if rows <= 16 else 32), 64, 128, 4, 3
         return (64, 128, 64, 8, 3) if rows <= 64 else (128, 128, 64, 8, 3)
     if rows <= 64 and n <= 2048:
         return 16, 32, 256, 4, 3  # a narrow output: 16-row tiles and long K steps give every SM work
+    if rows <= 16 and k >= 4096 and n < 8192:
+        # A batch-1 step of a 4096-wide model (q/k/v, o_proj, down_proj): 32 columns per program
+        # give every SM one or more, a deeper pipeline keeps more of the weights in flight, and a
+        # long reduction (down_proj) streams in 512-wide K steps.
+        if k >= 8192:
+            return 16, 32, 512, 4, 4
+        return 16, 32, 128, 4, (4 if n > 4096 else 3)
     bm = 16 if rows <= 16 else 64
     bk = 64 if rows > 128 and n > 4096 else 128
     # 64 columns per program where that still leaves programs for about 0.7 of the SMs.
@@ -110,13 +118,14 @@ def decode_tiles(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int, i
     return bm, bn, bk, 4, 3
 
 
-def warm_up_rows(widths: set[int], num_sms: int) -> list[int]:
+def warm_up_rows(shapes: set[tuple[int, int]], num_sms: int) -> list[int]:
     """Row counts below CUBLAS_MIN_ROWS that between them reach every tile configuration
-    `config_for` picks for outputs of these widths: one product of each compiles them all."""
+    `config_for` picks for products of these weight shapes (N, K): one product of each compiles
+    them all."""
     seen: set[tuple[int, int, int, int, int]] = set()
     rows_needed = []
     for rows in range(1, CUBLAS_MIN_ROWS):
-        configs = {config_for(rows, n, num_sms) for n in widths}
+        configs = {config_for(rows, n, num_sms, k) for n, k in shapes}
         if not configs <= seen:
             seen |= configs
             rows_needed.append(rows)
@@ -134,7 +143,7 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device))
+    bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device), k)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0),
                        BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)

@@ -269,10 +269,10 @@ class ModelRunner:
         from kvtool.engine.kernels.row_invariant_gemm import warm_up_rows
 
         bs = self.block_size
-        # The projections' output widths (the LM head sees the sampled rows alone).
-        widths = {p.shape[0] for name, p in self.model.named_parameters()
-                  if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
-        rows = set(warm_up_rows(widths, num_sms))
+        # The projections' weight shapes (the LM head sees the sampled rows alone).
+        weights = {tuple(p.shape) for name, p in self.model.named_parameters()
+                   if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name}
+        rows = set(warm_up_rows(weights, num_sms))
         if "fp8" in msgspec.structs.asdict(self.fast_paths.gemm).values():
             rows.update(WARM_UP_ROWS)
         shapes = [(1, bs), (bs + 1, bs)] + [(n, 0) for n in sorted(rows)]

@@ -40,7 +40,7 @@ def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
     configs = {cfg for _, cfg in CONFIGS}
     # and the narrowed tiles of decode-sized steps
     rows_seen = (1, 2, 3, 8, 16, 32, 64, 128, 160, 192, 256, 512)
-    configs |= {config_for(rows, n, 132) for rows in rows_seen for n, _ in SHAPES[model] + [(151936, 1024)]}
+    configs |= {config_for(rows, n, 132, k) for rows in rows_seen for n, k in SHAPES[model] + [(151936, 1024)]}
     configs |= {row_count_tiles(rows, n, 132) for rows in rows_seen for n, _ in SHAPES[model]}
     assert any(cfg[1] == 32 and cfg[0] >= 64 for cfg in configs)
     for n, k in SHAPES[model]:
