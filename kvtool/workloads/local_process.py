@@ -46,5 +46,4 @@ def port_process(argv: list[str]) -> Iterator[int]:
         assert proc.stdout is not None
         yield int(proc.stdout.readline())
     finally:
-        proc.kill()
-        proc.wait()
+        stop_by_pid(proc, signal.SIGKILL)
