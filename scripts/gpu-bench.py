@@ -817,7 +817,8 @@ def kvtool_throughput(prompts: list[list[int]], outs: list[int]) -> None:
     ins = [len(p) for p in prompts]
     sps = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
     default_invariant = default_batch_invariant()
-    for async_scheduling, invariant in ((True, False), (True, True), (False, False)):
+    arms = ((True, False), (True, True), (False, False))
+    for async_scheduling, invariant in arms[:2] if INVARIANCE_ARMS else arms:
         engine = make_engine("qwen3-0.6b", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
                              enable_prefix_caching=False, async_scheduling=async_scheduling,
                              batch_invariant=invariant)
@@ -931,12 +932,21 @@ def record_kv_memory(preset: str, engine, context: int = 32768) -> None:
         if engine.has_unfinished_requests():
             held.append(free - engine.stats().num_free_blocks)
     engine.pop_result(rid)
-    measured = held[-1] * pages.block_bytes / context
+    # The first step holds the whole prompt in every group (the prefill's own attention reads it);
+    # a step after the last token holds nothing: the decoding steps are those in between.
+    decoding = [h for h in held[1:] if h > 0]
+    measured = max(decoding) * pages.block_bytes / context
     window = cfg.sliding_window or context
     local = len(cfg.gemma.sliding_layers) if cfg.gemma is not None else (cfg.num_layers if cfg.sliding_window else 0)
     bound = full * ((cfg.num_layers - local) + local * min(window, context) / context) / cfg.num_layers
+    # The same in whole blocks: a window of W keys ending anywhere in a block spans up to
+    # ceil((W - 1) / block size) + 1 blocks, the blocks vLLM's sliding-window manager keeps too.
+    bs = pages.geometry.block_size
+    window_blocks = min(-(-(window - 1) // bs) + 1, -(-context // bs))
+    block_bound = full * ((cfg.num_layers - local) + local * window_blocks * bs / context) / cfg.num_layers
     record("models", f"{preset} KV bytes per token of a {context // 1024}k context, decoding", measured, "B", None,
            full_attention=full, windowed_bound=round(bound, 1), ratio_to_bound=round(measured / bound, 3),
+           block_bound=round(block_bound, 1), ratio_to_block_bound=round(measured / block_bound, 3),
            layout=pages.layout.describe(), blocks_held=held, local_layers=local, layers=cfg.num_layers,
            sliding_window=window)
 
@@ -1298,7 +1308,8 @@ def main() -> None:
                     help="every engine's KV cache dtype, both arms (default: auto, the model's)")
     ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
     ap.add_argument("--invariance-arms", action="store_true",
-                    help="decode: only the graphs + async scheduling arms, batch-invariant and not")
+                    help="decode and throughput: only the default arms (graphs, async scheduling), "
+                         "batch-invariant and not")
     ap.add_argument("--tiles", type=Path, metavar="FILE",
                     help="a `tiles` run's JSON lines: kvtool's row-invariant GEMM takes the fastest tiles found there")
     a = ap.parse_args()
