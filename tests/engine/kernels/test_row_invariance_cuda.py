@@ -50,21 +50,53 @@ def test_triton_rows_do_not_depend_on_row_count_or_tiles(model):
             assert torch.equal(triton_mm(a[-rows:], w), whole[-rows:]), (n, k, rows)
         for cfg in configs:
             assert torch.equal(triton_mm(a[:300], w, cfg), whole[:300]), (n, k, cfg)
+        # A weight whose K is split runs its parts in programs of their own for few rows.
+        for cfg in {config_for(rows, n, 132, k) for rows in (1, 8, 64)}:
+            for rows in (1, 5, 64):
+                assert torch.equal(triton_mm(a[:rows], w, cfg), whole[:rows]), (n, k, cfg, rows)
         ref = a.float() @ w.float().T
         assert float((whole.float() - ref).norm() / ref.norm()) < 5e-3
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_cublas_rows_match_from_the_threshold(model):
-    """`linear` switches to cuBLAS at CUBLAS_MIN_ROWS rows; that is only sound where cuBLAS's rows
-    are the Triton kernel's bits, on this GPU, for row counts a prefill step reaches."""
-    from kvtool.engine.kernels.row_invariant_gemm import CUBLAS_MIN_ROWS, triton_mm
+    """`linear` switches to cuBLAS at CUBLAS_MIN_ROWS rows for a weight whose K is not split; that
+    is only sound where cuBLAS's rows are the Triton kernel's bits, on this GPU, for row counts a
+    prefill step reaches. A split weight stays on the Triton kernel at every row count."""
+    from kvtool.engine.kernels.row_invariant_gemm import CUBLAS_MIN_ROWS, k_split, linear, triton_mm
 
     for n, k in SHAPES[model]:
         a, w = _operands(n, k, 32768, seed=1)
         whole = triton_mm(a, w)
-        for rows in (CUBLAS_MIN_ROWS, 1500, 2048, 4133, 8192, 32768):
-            assert torch.equal(F.linear(a[:rows], w), whole[:rows]), (n, k, rows)
+        for rows in (CUBLAS_MIN_ROWS, 1500, 2048, 2049, 4133, 8192, 32768):
+            if k_split(n, k) == 1:
+                assert torch.equal(F.linear(a[:rows], w), whole[:rows]), (n, k, rows)
+            assert torch.equal(linear(a[:rows], w, row_invariant=True), whole[:rows]), (n, k, rows)
+
+
+def test_split_products_replay_from_cuda_graphs():
+    """The parts of a split K in programs of their own, captured in a CUDA graph as a decode step
+    is: every replay over new rows gives the eager product's bits, and leaves every tile counter
+    at zero for the next product."""
+    from kvtool.engine.kernels import row_invariant_gemm as rig
+
+    for n, k in SHAPES["0.6b"]:
+        for rows in (1, 8, 64):
+            if rig.k_split(n, k) == 1:
+                continue
+            a, w = _operands(n, k, rows * 4, seed=rows)
+            x = a[:rows].clone()
+            rig.triton_mm(x, w)  # compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = rig.triton_mm(x, w)
+            for i in range(4):
+                x.copy_(a[i * rows : (i + 1) * rows])
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(y, rig.triton_mm(a[i * rows : (i + 1) * rows], w)), (n, k, rows, i)
+                assert torch.equal(y, rig.triton_mm(a, w)[i * rows : (i + 1) * rows]), (n, k, rows, i)
+            assert all(int(locks.abs().sum()) == 0 for locks in rig._locks.values())
 
 
 def test_linear_route_argument_and_bias():

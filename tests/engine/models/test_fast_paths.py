@@ -198,3 +198,42 @@ def test_two_engines_interleaving_steps_keep_their_own_row_invariance(cuda_modul
             torch.testing.assert_close(projected, F.linear(x, w))
             torch.testing.assert_close(logits, F.linear(x, w))
     assert {"_enabled", "row_invariant_gemms"}.isdisjoint(vars(rig))  # the old process-wide switch
+
+
+def test_a_narrow_weight_splits_its_k_by_its_shape_alone(cuda_modules):
+    """`k_split` gives the narrow projections of the presets (Qwen3-0.6B's o_proj and down_proj)
+    equal parts of K, each a multiple of 16 columns and at least SPLIT_MIN_PART, and leaves wider
+    ones (the 4096-wide models' projections, gate/up, the LM heads) and tiny ones (a MoE router)
+    whole; `linear` keeps a split weight off cuBLAS at every row count."""
+    rig, _, routes = cuda_modules
+    split = {(4096, 1024): 1, (1024, 2048): 4, (6144, 1024): 1, (1024, 3072): 6,  # Qwen3-0.6B
+             (6144, 4096): 1, (4096, 4096): 1, (24576, 4096): 1, (4096, 12288): 1,  # Qwen3-8B
+             (4096, 2560): 1, (2560, 2048): 1,  # Gemma 3 4B
+             (2048, 8192): 4, (151936, 1024): 1, (151936, 4096): 1, (128, 2048): 1}
+    assert {shape: rig.k_split(*shape) for shape in split} == split
+    for (n, k), parts in split.items():
+        assert k % parts == 0 and (k // parts) % 16 == 0
+        assert parts == 1 or k // parts >= rig.SPLIT_MIN_PART
+    x = torch.randn(rig.CUBLAS_MIN_ROWS, 2048)
+    for n, route in ((1024, ["invariant"]), (8192, [])):  # split, not split
+        routes.clear()
+        y = rig.linear(x, torch.randn(n, 2048), row_invariant=True)
+        assert routes == route and y.shape == (rig.CUBLAS_MIN_ROWS, n)
+
+
+def test_the_warm_up_reaches_every_split_launch(cuda_modules):
+    """The runner's warm-up row counts compile every (tiles, split, parts in programs of their own
+    or not) launch below cuBLAS's rows, and up to WARM_UP_MAX_ROWS for a split weight only."""
+    rig, _, _ = cuda_modules
+    unsplit = {(6144, 1024), (24576, 4096)}
+    qwen3_06b = {(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)}
+    assert max(rig.warm_up_rows(unsplit, 132)) < rig.CUBLAS_MIN_ROWS
+    rows = rig.warm_up_rows(qwen3_06b, 132)
+    assert max(rows) >= rig.CUBLAS_MIN_ROWS
+
+    def launches(r):
+        return {(n, k, rig.config_for(r, n, 132, k), r <= rig.SPLIT_PARALLEL_ROWS) for n, k in qwen3_06b
+                if r < rig.CUBLAS_MIN_ROWS or rig.k_split(n, k) > 1}
+
+    reached = set().union(*(launches(r) for r in rows))
+    assert reached == set().union(*(launches(r) for r in range(1, 4 * rig.WARM_UP_MAX_ROWS)))
