@@ -6,11 +6,22 @@ tests). `redis-server` and `redis-cli` are found on PATH (Debian's `redis-server
 install script adds it for the tests). Servers run in the foreground with no persistence
 (`--save '' --appendonly no`) in a temporary directory, bound to 127.0.0.1 on free ports, and are
 stopped by PID.
+
+Every server starts with jemalloc keeping the pages it frees (`KV_MALLOC_CONF`), as a server that
+holds KV chunks should run: redis-server (7.0 and Valkey 8.0 alike) copies each GET reply into a
+fresh buffer of the value's size, and with jemalloc's default decay the pages of the last reply go
+back to the OS and fault in again for the next one, one minor fault per 4 KiB page, 9,216 per
+37.7 MB chunk. That bounds a server to about a third of what its socket can send; with the pages
+kept there are none. Debian's package links the system jemalloc, which reads MALLOC_CONF; a build
+from source links its bundled copy, which reads JE_MALLOC_CONF; both are set. The cost is that the
+server's resident memory stays at its peak. A MALLOC_CONF or JE_MALLOC_CONF already in the
+environment is left as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -26,6 +37,18 @@ from kvtool.workloads.local_process import HOST, stop_by_pid
 
 START_TIMEOUT_S = 30.0
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000
+# jemalloc keeps the pages it frees for reuse instead of returning them (see the module docstring).
+KV_MALLOC_CONF = "dirty_decay_ms:-1"
+
+
+def server_env(malloc_conf: str | None = KV_MALLOC_CONF) -> dict[str, str]:
+    """The environment a redis-server starts in: this process's, with `malloc_conf` as jemalloc's
+    options under both names (MALLOC_CONF, JE_MALLOC_CONF) unless already set; None or '': as is."""
+    env = dict(os.environ)
+    if malloc_conf:
+        for name in ("MALLOC_CONF", "JE_MALLOC_CONF"):
+            env.setdefault(name, malloc_conf)
+    return env
 
 
 def redis_binary(name: str = "redis-server") -> str:
@@ -73,12 +96,15 @@ def ping(port: int, timeout_s: float = 1.0) -> bool:
 
 
 class RedisServer:
-    """One `redis-server` in the foreground, on 127.0.0.1:`port`, with `extra` arguments."""
+    """One `redis-server` in the foreground, on 127.0.0.1:`port`, with `extra` arguments and
+    jemalloc's options `malloc_conf` (`server_env`)."""
 
-    def __init__(self, port: int, workdir: Path, extra: Sequence[str] = ()) -> None:
+    def __init__(self, port: int, workdir: Path, extra: Sequence[str] = (),
+                 malloc_conf: str | None = KV_MALLOC_CONF) -> None:
         self.port = port
         self.workdir = workdir
         self.extra = list(extra)
+        self.malloc_conf = malloc_conf
         self.proc: subprocess.Popen | None = None
         self.log_path = workdir / f"redis-{port}.log"
 
@@ -93,7 +119,8 @@ class RedisServer:
         args = [redis_binary(), "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--daemonize", "no", *self.extra]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=server_env(self.malloc_conf))
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ping(self.port):
             if self.proc.poll() is not None:
@@ -125,14 +152,14 @@ class RedisClusterProcesses:
     each node gets the `extra` arguments too."""
 
     def __init__(self, workdir: Path, num_masters: int = 3, node_timeout_ms: int = 2000,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), malloc_conf: str | None = KV_MALLOC_CONF) -> None:
         self.workdir = workdir
         self.nodes: list[RedisServer] = []
         for _ in range(num_masters):
             port = free_port(cluster=True)
             args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no", *extra]
-            self.nodes.append(RedisServer(port, workdir / f"node-{port}", args))
+            self.nodes.append(RedisServer(port, workdir / f"node-{port}", args, malloc_conf))
 
     @property
     def url(self) -> str:
@@ -249,10 +276,10 @@ class RedisSentinelSet:
 
 
 @contextlib.contextmanager
-def redis_server(extra: Sequence[str] = ()) -> Iterator[RedisServer]:
+def redis_server(extra: Sequence[str] = (), malloc_conf: str | None = KV_MALLOC_CONF) -> Iterator[RedisServer]:
     """A running redis-server on a free loopback port, stopped (and its directory removed) after."""
     with tempfile.TemporaryDirectory(prefix="kvtool-redis-") as tmp:
-        server = RedisServer(free_port(), Path(tmp), extra).start()
+        server = RedisServer(free_port(), Path(tmp), extra, malloc_conf).start()
         try:
             yield server
         finally:
@@ -260,10 +287,11 @@ def redis_server(extra: Sequence[str] = ()) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def redis_cluster(num_masters: int = 3, extra: Sequence[str] = ()) -> Iterator[RedisClusterProcesses]:
+def redis_cluster(num_masters: int = 3, extra: Sequence[str] = (),
+                  malloc_conf: str | None = KV_MALLOC_CONF) -> Iterator[RedisClusterProcesses]:
     """A running `num_masters`-master Redis Cluster on loopback (`extra` arguments on every node), stopped after."""
     with tempfile.TemporaryDirectory(prefix="kvtool-redis-cluster-") as tmp:
-        cluster = RedisClusterProcesses(Path(tmp), num_masters, extra=extra).start()
+        cluster = RedisClusterProcesses(Path(tmp), num_masters, extra=extra, malloc_conf=malloc_conf).start()
         try:
             yield cluster
         finally:
