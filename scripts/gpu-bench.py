@@ -26,6 +26,10 @@ Sections:
   tiles       every candidate tile of the row-invariant GEMM on Qwen3-8B's and Qwen3-0.6B's decode
               shapes at 1/8/64 rows from CUDA graphs: bits against the configured tiles', the
               fastest beside them, the one-row GEMV and cuBLAS (--quick: Qwen3-8B's projections, 1 row)
+  fp8-tiles   every candidate tile of the FP8 checkpoint GEMM (`fp8_gemm`) on Qwen3-8B's block-wise
+              FP8 projections at 1/64/256/8192 rows from CUDA graphs: bits against the configured
+              tiles', the fastest beside them, and cuBLAS's bf16 product of the same shape
+              (--quick: 1 and 8192 rows)
   profile     where decode steps spend their GPU time, batch-invariant (the default) and not:
               torch.profiler over 64 decode steps of Qwen3-8B at batch 1 (2k context) and of
               Qwen3-0.6B at batch 256 (512-token prompts), the kernels by total time (printed; one
@@ -356,7 +360,7 @@ def kernel_fp8_gemm(sweep: bool = False) -> None:
     import torch
     from triton.testing import do_bench
 
-    from kvtool.engine.kernels.fp8_gemm import config_for, fp8_mm
+    from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
     from kvtool.engine.kernels.row_invariant_gemm import linear
     from kvtool.engine.kernels.tiles import sm_count
@@ -1177,6 +1181,68 @@ def section_tiles():
                    default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ], **extra)
 
 
+FP8_TILE_ROWS = (1, 64, 256, 8192)
+
+
+def fp8_tile_candidates(rows: int, min_bm: int) -> list[tuple[int, int, int, int]]:
+    """(BM, BN, warps, stages) worth timing for the FP8 GEMM at `rows` rows: row tiles of at least
+    min_bm rows (`fp8_gemm.MIN_BM`: smaller ones round otherwise), larger ones only where the rows
+    fill more than one."""
+    bms = [bm for bm in (64, 128) if bm >= min_bm and (bm == min_bm or rows > min_bm)]
+    return [(bm, bn, warps, stages) for bm in bms for bn in (32, 64, 128, 256) for warps in (4, 8)
+            for stages in (3, 4) if not (bn == 256 and bm == 128 and warps == 4)]
+
+
+def section_fp8_tiles():
+    """Every candidate tile of the FP8 checkpoint GEMM (`fp8_gemm.fp8_mm`) on Qwen3-8B's
+    projections as a block-wise FP8 checkpoint (128 x 128 weight scales) at 1 to 8192 rows, each
+    replayed from a CUDA graph: its bits against the configured tiles' (they must be equal), the
+    fastest beside the configured one, and cuBLAS's bf16 product of the same shape (the bf16
+    model's prefill GEMM)."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench_cudagraph
+
+    from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
+    from kvtool.engine.kernels.fp8_weight import Fp8Weight
+    from kvtool.engine.kernels.tiles import sm_count
+    from kvtool.engine.models.quantization import WeightQuantization, quantize
+
+    sms = sm_count(torch.device("cuda"))
+    block = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))
+    for n, k in QWEN3_8B_PROJECTIONS:
+        dense = (torch.randn(n, k, device="cuda") / k**0.5)
+        w = Fp8Weight(*quantize(dense, block), 128, 128)
+        w_bf16 = dense.bfloat16()
+        for rows in (FP8_TILE_ROWS[0], FP8_TILE_ROWS[-1]) if QUICK else FP8_TILE_ROWS:
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            default = config_for(rows, n, sms)
+            ref = fp8_mm(x, w, default)
+
+            def bench(fn) -> float:
+                return do_bench_cudagraph(fn, rep=25)
+
+            default_ms = bench(lambda: fp8_mm(x, w, default))
+            best, best_ms, differ = default, default_ms, []
+            for cfg in fp8_tile_candidates(rows, MIN_BM):
+                try:
+                    out = fp8_mm(x, w, cfg)
+                    ms = bench(lambda: fp8_mm(x, w, cfg))
+                except Exception as e:  # a tile too large for shared memory or registers
+                    print(f"# fp8-tiles N={n} K={k} M={rows} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if not torch.equal(out, ref):
+                    differ.append(cfg)
+                    continue
+                if ms < best_ms:
+                    best, best_ms = cfg, ms
+            bf16_ms = bench(lambda: F.linear(x, w_bf16))
+            record("fp8-tiles", f"FP8 GEMM 8b N={n} K={k}, {rows} rows", 2 * rows * n * k / best_ms / 1e9, "TFLOP/s",
+                   None, n=n, k=k, rows=rows, ms=round(best_ms, 4), best=list(best), default=list(default),
+                   default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ],
+                   bf16_cublas_ms=round(bf16_ms, 4), of_bf16_time=round(best_ms / bf16_ms, 3))
+
+
 def swept_tiles(path: Path) -> dict[tuple[int, int], list[tuple[int, tuple]]]:
     """A `tiles` run's JSON lines as {(N, K): [(rows, fastest tiles), ...] by rows}, leaving out
     any product whose candidates' bits differed from its configured tiles'."""
@@ -1265,7 +1331,7 @@ def section_profile():
 SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
-    "models": section_models, "profile": section_profile, "tiles": section_tiles,
+    "models": section_models, "profile": section_profile, "tiles": section_tiles, "fp8-tiles": section_fp8_tiles,
 }
 
 

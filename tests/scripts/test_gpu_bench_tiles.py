@@ -32,3 +32,14 @@ def test_swept_tiles_are_chosen_by_shape_and_row_count(tmp_path):
     assert bench.swept_config(best, 9, 64, 32) is None  # more rows than the sweep timed: the configured tiles
     assert bench.swept_config(best, 1, 32, 64) is None  # a shape the sweep did not time
     assert bench.swept_config(best, 1, 64, 48) is None  # a sweep whose candidates' bits differed is not used
+
+
+def test_fp8_tile_candidates_keep_the_rounding_of_the_configured_tiles():
+    """`fp8-tiles` times only row tiles the FP8 kernel computes with the same bits (at least
+    fp8_gemm.MIN_BM rows), the larger ones only where the rows fill more than one."""
+    bench = _gpu_bench()
+    for rows in (1, 64, 65, 256, 8192):
+        candidates = bench.fp8_tile_candidates(rows, 64)
+        assert candidates and all(bm >= 64 for bm, _, _, _ in candidates)
+        assert (max(bm for bm, _, _, _ in candidates) > 64) == (rows > 64)
+        assert len(set(candidates)) == len(candidates)
