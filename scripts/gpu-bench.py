@@ -1131,6 +1131,37 @@ def tile_candidates(rows: int) -> list[tuple[int, int, int, int, int]]:
             for warps in (4, 8) for stages in (3, 4) if bn * bk <= 32768 and (warps == 4 or bn >= 64)]
 
 
+def bench(fn) -> float:
+    """Milliseconds of one call of fn, replayed from a CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=25)
+
+
+def fastest_tiles(product, default, candidates, label: str):
+    """(fastest tiles, their ms, the default's ms, candidates whose bits differ): `product(cfg)`
+    timed for the default tiles and each candidate whose output equals the default's bit for bit;
+    a candidate too large for shared memory or registers is skipped with a line naming it."""
+    import torch
+
+    ref = product(default)
+    default_ms = bench(lambda: product(default))
+    best, best_ms, differ = default, default_ms, []
+    for cfg in candidates:
+        try:
+            out = product(cfg)
+            ms = bench(lambda: product(cfg))
+        except Exception as e:  # a tile too large for shared memory or registers
+            print(f"# {label} {cfg}: {type(e).__name__}", flush=True)
+            continue
+        if not torch.equal(out, ref):
+            differ.append(cfg)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms, default_ms, differ
+
+
 def section_tiles():
     """Every candidate tile of the row-invariant GEMM (`row_invariant_gemm.triton_mm`) on the
     decode shapes of Qwen3-8B and Qwen3-0.6B at 1 to 64 rows, each replayed from a CUDA graph:
@@ -1138,7 +1169,6 @@ def section_tiles():
     fastest beside the configured one, the one-row GEMV (not invariant) and cuBLAS."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench_cudagraph
 
     from kvtool.engine.kernels.gemv import gemv
     from kvtool.engine.kernels.row_invariant_gemm import config_for, triton_mm
@@ -1154,25 +1184,8 @@ def section_tiles():
         for rows in TILE_ROWS[:1] if QUICK else TILE_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
             default = config_for(rows, n, sms, k)
-            ref = triton_mm(x, w, default)
-
-            def bench(fn) -> float:
-                return do_bench_cudagraph(fn, rep=25)
-
-            default_ms = bench(lambda: triton_mm(x, w, default))
-            best, best_ms, differ = default, default_ms, []
-            for cfg in tile_candidates(rows):
-                try:
-                    out = triton_mm(x, w, cfg)
-                    ms = bench(lambda: triton_mm(x, w, cfg))
-                except Exception as e:  # a tile too large for shared memory or registers
-                    print(f"# tiles {model} N={n} K={k} M={rows} {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                if not torch.equal(out, ref):
-                    differ.append(cfg)
-                    continue
-                if ms < best_ms:
-                    best, best_ms = cfg, ms
+            best, best_ms, default_ms, differ = fastest_tiles(lambda cfg: triton_mm(x, w, cfg), default,
+                                                              tile_candidates(rows), f"tiles {model} N={n} K={k} M={rows}")
             extra = {"cublas_ms": round(bench(lambda: F.linear(x, w)), 4)}
             if rows == 1 and n <= 32768:
                 extra["gemv_ms"] = round(bench(lambda: gemv(x, w)), 4)
@@ -1201,7 +1214,6 @@ def section_fp8_tiles():
     model's prefill GEMM)."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench_cudagraph
 
     from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
@@ -1211,31 +1223,15 @@ def section_fp8_tiles():
     sms = sm_count(torch.device("cuda"))
     block = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))
     for n, k in QWEN3_8B_PROJECTIONS:
-        dense = (torch.randn(n, k, device="cuda") / k**0.5)
+        dense = torch.randn(n, k, device="cuda") / k**0.5
         w = Fp8Weight(*quantize(dense, block), 128, 128)
         w_bf16 = dense.bfloat16()
         for rows in (FP8_TILE_ROWS[0], FP8_TILE_ROWS[-1]) if QUICK else FP8_TILE_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
             default = config_for(rows, n, sms)
-            ref = fp8_mm(x, w, default)
-
-            def bench(fn) -> float:
-                return do_bench_cudagraph(fn, rep=25)
-
-            default_ms = bench(lambda: fp8_mm(x, w, default))
-            best, best_ms, differ = default, default_ms, []
-            for cfg in fp8_tile_candidates(rows, MIN_BM):
-                try:
-                    out = fp8_mm(x, w, cfg)
-                    ms = bench(lambda: fp8_mm(x, w, cfg))
-                except Exception as e:  # a tile too large for shared memory or registers
-                    print(f"# fp8-tiles N={n} K={k} M={rows} {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                if not torch.equal(out, ref):
-                    differ.append(cfg)
-                    continue
-                if ms < best_ms:
-                    best, best_ms = cfg, ms
+            best, best_ms, default_ms, differ = fastest_tiles(lambda cfg: fp8_mm(x, w, cfg), default,
+                                                              fp8_tile_candidates(rows, MIN_BM),
+                                                              f"fp8-tiles N={n} K={k} M={rows}")
             bf16_ms = bench(lambda: F.linear(x, w_bf16))
             record("fp8-tiles", f"FP8 GEMM 8b N={n} K={k}, {rows} rows", 2 * rows * n * k / best_ms / 1e9, "TFLOP/s",
                    None, n=n, k=k, rows=rows, ms=round(best_ms, 4), best=list(best), default=list(default),

@@ -43,3 +43,28 @@ def test_fp8_tile_candidates_keep_the_rounding_of_the_configured_tiles():
         assert candidates and all(bm >= 64 for bm, _, _, _ in candidates)
         assert (max(bm for bm, _, _, _ in candidates) > 64) == (rows > 64)
         assert len(set(candidates)) == len(candidates)
+
+
+def test_the_fastest_tiles_are_those_with_the_configured_bits():
+    """`fastest_tiles` (both tile sweeps): a candidate that fails to compile is skipped, one whose
+    bits differ is reported and never chosen, and the fastest of the rest wins over the default."""
+    import torch
+
+    bench = _gpu_bench()
+    times = {"default": 2.0, "slow": 3.0, "fast-but-other-bits": 0.5, "faster": 1.0}
+    last = []
+
+    def product(cfg):
+        if cfg == "too-large":
+            raise RuntimeError("OutOfResources")
+        last.append(cfg)
+        return torch.ones(3) * (2 if cfg == "fast-but-other-bits" else 1)
+
+    def timed(fn):
+        fn()
+        return times[last[-1]]
+
+    bench.bench = timed
+    best, best_ms, default_ms, differ = bench.fastest_tiles(
+        product, "default", ["slow", "too-large", "fast-but-other-bits", "faster"], "test")
+    assert (best, best_ms, default_ms, differ) == ("faster", 1.0, 2.0, ["fast-but-other-bits"])
