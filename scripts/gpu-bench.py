@@ -30,10 +30,14 @@ Sections:
               FP8 projections at 1/64/256/8192 rows from CUDA graphs: bits against the configured
               tiles', the fastest beside them, and cuBLAS's bf16 product of the same shape
               (--quick: 1 and 8192 rows)
+  prefill-tiles  every launch of the Triton prefill kernel (row blocks, warps, tiles in flight) on
+              Gemma 3 4B's global and sliding-window attention at 32k from CUDA graphs: bits against
+              the default launch's, the fastest beside it, torch's SDPA (--quick: 8k)
   profile     where decode steps spend their GPU time, batch-invariant (the default) and not:
               torch.profiler over 64 decode steps of Qwen3-8B at batch 1 (2k context) and of
-              Qwen3-0.6B at batch 256 (512-token prompts), the kernels by total time (printed; one
-              row per case and mode with the summed kernel time per step); --quick: batch 1 only
+              Qwen3-0.6B at batch 256 (512-token prompts) and of Gemma 3 4B at batch 1, the kernels
+              by total time (printed; one row per case and mode with the summed kernel time per
+              step); --models picks cases by preset; --quick: the first case only
   lm          lm:// GET into the pages (LMCacheConnector) over 1 and 4 connections, against a
               local in-memory server in a separate process (tests/support/memory_lm_server.py); beside it,
               in the same run, the client's socket reads alone (1 and 4 reader processes, no
@@ -1239,13 +1243,55 @@ def section_fp8_tiles():
                    bf16_cublas_ms=round(bf16_ms, 4), of_bf16_time=round(best_ms / bf16_ms, 3))
 
 
-def swept_tiles(path: Path) -> dict[tuple[int, int], list[tuple[int, tuple]]]:
-    """A `tiles` run's JSON lines as {(N, K): [(rows, fastest tiles), ...] by rows}, leaving out
-    any product whose candidates' bits differed from its configured tiles'."""
+# Gemma 3 4B's attention (query heads, KV heads, head size, local layers' window) at a 32k prompt.
+GEMMA3_4B_ATTENTION = (8, 4, 256, 1024)
+PREFILL_TILE_LENGTH = 32768
+
+
+def section_prefill_tiles():
+    """Every launch of the Triton prefill kernel (`triton_prefill.launch_candidates`: row blocks,
+    warps, K / V tiles in flight) on Gemma 3 4B's attention, a causal 32k prompt, for its global
+    layers and its sliding-window ones, each replayed from a CUDA graph: its bits against the
+    default launch's (they must be equal), the fastest beside the default, and torch's SDPA on the
+    global layer's shape (FLOPs: the causal half of QK^T and PV, or the window's keys)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvtool.engine.kernels.attention.triton_prefill import (launch_candidates, launch_config,
+                                                                triton_prefill_attention)
+
+    hq, hkv, d, window = GEMMA3_4B_ATTENTION
+    n = PREFILL_TILE_LENGTH // 4 if QUICK else PREFILL_TILE_LENGTH
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn((n, hq, d), generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn((n, hkv, d), generator=g, device="cuda").bfloat16() for _ in range(2))
+    cu = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    for layer, w in (("global", None), ("local", window)):
+        keys = n * (n + 1) / 2 if w is None else sum(min(i + 1, w) for i in range(n))
+        flop = 4 * hq * d * keys
+        best, best_ms, default_ms, differ = fastest_tiles(
+            lambda cfg: triton_prefill_attention(q, k, v, cu, cu, n, d**-0.5, out, w, None, cfg).clone(),
+            launch_config(d, n), [c for c in launch_candidates(d) if c != launch_config(d, n)],
+            f"prefill-tiles {layer} D={d} S={n}")
+        extra = {}
+        if w is None:
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, k, v))
+            extra["sdpa_ms"] = round(bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                                   enable_gqa=True)), 3)
+        record("prefill-tiles", f"Triton prefill, Gemma 3 4B {layer} layer (Hq{hq}/Hkv{hkv}/D{d}"
+               f"{'' if w is None else f', window {w}'}), S={n}", flop / best_ms / 1e9, "TFLOP/s", PEAK_TFLOPS,
+               head_dim=d, window=w, ms=round(best_ms, 3), best=list(best), default=list(launch_config(d, n)),
+               default_ms=round(default_ms, 3), differing_bits=[list(c) for c in differ], **extra)
+
+
+def swept_tiles(path: Path, section: str = "tiles") -> dict[tuple[int, int], list[tuple[int, tuple]]]:
+    """A `tiles` (or `fp8-tiles`) run's JSON lines as {(N, K): [(rows, fastest tiles), ...] by
+    rows}, leaving out any product whose candidates' bits differed from its configured tiles'."""
     best: dict[tuple[int, int], list[tuple[int, tuple]]] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if r.get("section") == "tiles" and "rows" in r and not r["differing_bits"]:
+        if r.get("section") == section and "rows" in r and not r["differing_bits"]:
             best.setdefault((r["n"], r["k"]), []).append((r["rows"], tuple(r["best"])))
     for found in best.values():
         found.sort()
@@ -1258,20 +1304,46 @@ def swept_config(best: dict[tuple[int, int], list[tuple[int, tuple]]], m: int, n
     return next((cfg for rows, cfg in best.get((n, k), ()) if m <= rows), None)
 
 
-def use_swept_tiles(path: Path) -> None:
-    """--tiles FILE: kvtool's row-invariant GEMM takes `swept_config`'s tiles. Every candidate
-    gives the configured tiles' bits (`tiles` checks that), so this changes the speed of the
-    engines this run builds, never their output."""
-    from kvtool.engine.kernels import row_invariant_gemm
+def swept_launches(path: Path) -> dict[tuple[int, int], tuple]:
+    """A `prefill-tiles` run's JSON lines as {(head size, window or 0): fastest launch}, leaving out
+    any layer whose candidates' bits differed from the default launch's."""
+    best = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("section") == "prefill-tiles" and "head_dim" in r and not r["differing_bits"]:
+            best[(r["head_dim"], r["window"] or 0)] = tuple(r["best"])
+    return best
 
-    best = swept_tiles(path)
-    configured = row_invariant_gemm.triton_mm
+
+def use_swept_tiles(path: Path) -> None:
+    """--tiles FILE: kvtool's kernels take the fastest tiles a sweep in FILE found: the row-invariant
+    GEMM `swept_config`'s (`tiles` rows), the FP8 GEMM the same way (`fp8-tiles` rows), the Triton
+    prefill kernel its layer's launch for blocks of more than 64 rows (`prefill-tiles` rows).
+    Every candidate gives the configured tiles' bits (the sweeps check that), so this changes the
+    speed of the engines this run builds, never their output."""
+    from kvtool.engine.kernels import row_invariant_gemm
+    from kvtool.engine.kernels.attention import prefill
+
+    best, fp8_best, launches = swept_tiles(path), swept_tiles(path, "fp8-tiles"), swept_launches(path)
+    configured, configured_fp8 = row_invariant_gemm.triton_mm, row_invariant_gemm.fp8_mm
+    configured_prefill = prefill.triton_prefill_attention
 
     def triton_mm(a, w, config=None):
         return configured(a, w, config or swept_config(best, a.shape[0], w.shape[0], w.shape[1]))
 
-    row_invariant_gemm.triton_mm = triton_mm
-    print(f"# tiles from {path}: {json.dumps({f'{n}x{k}': v for (n, k), v in best.items()})}", flush=True)
+    def fp8_mm(x, w, config=None):
+        return configured_fp8(x, w, config or swept_config(fp8_best, x.shape[0], *w.data.shape))
+
+    def triton_prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, out, window=None, softcap=None, config=None):
+        if config is None and max_q > 64:
+            config = launches.get((q.shape[-1], window or 0))
+        return configured_prefill(q, k, v, cu_q, cu_k, max_q, scale, out, window, softcap, config)
+
+    row_invariant_gemm.triton_mm, row_invariant_gemm.fp8_mm = triton_mm, fp8_mm
+    prefill.triton_prefill_attention = triton_prefill_attention
+    print(f"# tiles from {path}: {json.dumps({f'{n}x{k}': v for (n, k), v in best.items()})}; FP8: "
+          f"{json.dumps({f'{n}x{k}': v for (n, k), v in fp8_best.items()})}; prefill: "
+          f"{json.dumps({f'D{d} window {w}': v for (d, w), v in launches.items()})}", flush=True)
 
 
 # ---- profile -----------------------------------------------------------------------------------
@@ -1279,13 +1351,14 @@ def use_swept_tiles(path: Path) -> None:
 PROFILE_STEPS = 64
 # (preset, batch, prompt length): one request's decode at 2k context, where batch-1 TPOT goes;
 # 256 requests of 512 tokens, where the throughput workload's decode steps go.
-PROFILE_CASES = (("qwen3-8b", 1, 2048), ("qwen3-0.6b", 256, 512))
+# Gemma 3 4B at batch 1: its TPOT against vLLM's.
+PROFILE_CASES = (("qwen3-8b", 1, 2048), ("qwen3-0.6b", 256, 512), ("gemma-3-4b", 1, 2048))
 
 
 def section_profile():
     """torch.profiler over PROFILE_STEPS decode steps of each PROFILE_CASES batch, batch-invariant
     (the default) and not: each kernel's total and per-step time, the top ones printed, the summed
-    kernel time per step recorded. --quick: the batch-1 case alone."""
+    kernel time per step recorded. --models: the cases of those presets; --quick: the first case alone."""
     import gc
 
     import torch
@@ -1294,7 +1367,8 @@ def section_profile():
     from kvtool.engine.params import SamplingParams
 
     sp = SamplingParams(max_tokens=PROFILE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    for preset, batch, length in PROFILE_CASES[:1] if QUICK else PROFILE_CASES:
+    cases = [c for c in PROFILE_CASES if MODELS is None or c[0] in MODELS]
+    for preset, batch, length in cases[:1] if QUICK else cases:
         prompts = [tokens(length, 5 + i) for i in range(batch)]
         for invariant in (True, False):
             engine = make_engine(preset, enable_prefix_caching=False, batch_invariant=invariant,
@@ -1328,6 +1402,7 @@ SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
     "models": section_models, "profile": section_profile, "tiles": section_tiles, "fp8-tiles": section_fp8_tiles,
+    "prefill-tiles": section_prefill_tiles,
 }
 
 
@@ -1368,16 +1443,18 @@ def main() -> None:
                          "(default: $KVTOOL_VLLM_SITE; unset: the environment's own vLLM)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                     help="every engine's KV cache dtype, both arms (default: auto, the model's)")
-    ap.add_argument("--models", help="comma-separated presets of the models section (default: all its rows)")
+    ap.add_argument("--models", help="comma-separated presets of the models and profile sections (default: all their rows)")
     ap.add_argument("--invariance-arms", action="store_true",
                     help="decode and throughput: only the default arms (graphs, async scheduling), "
                          "batch-invariant and not")
     ap.add_argument("--tiles", type=Path, metavar="FILE",
-                    help="a `tiles` run's JSON lines: kvtool's row-invariant GEMM takes the fastest tiles found there")
+                    help="JSON lines of `tiles`, `fp8-tiles` and/or `prefill-tiles` runs: kvtool's row-invariant "
+                         "GEMM, FP8 GEMM and Triton prefill kernel take the fastest tiles found there")
     a = ap.parse_args()
     MODELS = None if a.models is None else {m.strip() for m in a.models.split(",")}
-    if MODELS is not None and MODELS - {p for p, _ in MODEL_ROWS}:
-        ap.error(f"--models takes {', '.join(p for p, _ in MODEL_ROWS)}")
+    presets = dict.fromkeys([p for p, _ in MODEL_ROWS] + [c[0] for c in PROFILE_CASES])
+    if MODELS is not None and MODELS - set(presets):
+        ap.error(f"--models takes {', '.join(presets)}")
     engines = tuple(e.strip() for e in a.engines.split(",") if e.strip())
     if not engines or set(engines) - {"kvtool", "vllm"}:
         ap.error(f"--engines takes kvtool and/or vllm, got {a.engines!r}")

@@ -68,3 +68,25 @@ def test_the_fastest_tiles_are_those_with_the_configured_bits():
     best, best_ms, default_ms, differ = bench.fastest_tiles(
         product, "default", ["slow", "too-large", "fast-but-other-bits", "faster"], "test")
     assert (best, best_ms, default_ms, differ) == ("faster", 1.0, 2.0, ["fast-but-other-bits"])
+
+
+def test_swept_fp8_tiles_and_prefill_launches_are_read_by_section(tmp_path):
+    """--tiles also takes `fp8-tiles` rows (by shape and row count, as `tiles` rows) and
+    `prefill-tiles` rows (one launch per head size and window), each only where no candidate's
+    bits differed, and never mixes one sweep's rows into another's."""
+    bench = _gpu_bench()
+    rows = [
+        {"section": "fp8-tiles", "n": 4096, "k": 4096, "rows": 8192, "best": [128, 256, 8, 3], "differing_bits": []},
+        {"section": "tiles", "n": 4096, "k": 4096, "rows": 1, "best": [16, 16, 512, 4, 3], "differing_bits": []},
+        {"section": "prefill-tiles", "head_dim": 256, "window": None, "best": [128, 8, 2], "differing_bits": []},
+        {"section": "prefill-tiles", "head_dim": 256, "window": 1024, "best": [128, 8, 1], "differing_bits": []},
+        {"section": "prefill-tiles", "head_dim": 128, "window": 300, "best": [64, 4, 1],
+         "differing_bits": [[64, 4, 2]]},
+    ]
+    path = tmp_path / "sweeps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fp8 = bench.swept_tiles(path, "fp8-tiles")
+    assert bench.swept_config(fp8, 8192, 4096, 4096) == (128, 256, 8, 3)
+    assert bench.swept_config(fp8, 1, 4096, 4096) == (128, 256, 8, 3)
+    assert bench.swept_config(bench.swept_tiles(path), 2, 4096, 4096) is None
+    assert bench.swept_launches(path) == {(256, 0): (128, 8, 2), (256, 1024): (128, 8, 1)}

@@ -64,7 +64,6 @@ def _gemm_kernel(a_ptr, w_ptr, c_ptr, part_ptr, lock_ptr, M, N, K, KP, stride_a,
         part = pid % SPLIT
         pm, pn = grouped_tile(pid // SPLIT, M, N, BM, BN, GROUP_M)
     else:
-        part = 0
         pm, pn = grouped_tile(pid, M, N, BM, BN, GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)

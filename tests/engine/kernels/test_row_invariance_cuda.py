@@ -209,6 +209,28 @@ def test_prefill_kernel_reads_the_same_bits_through_tma_and_pointers(monkeypatch
         assert torch.equal(row, outs[True][-1:]), tma
 
 
+@pytest.mark.parametrize("d,window,softcap", [(256, None, None), (256, 300, None), (256, None, 50.0), (128, 300, None)])
+def test_prefill_launch_configs_give_the_same_bits(d, window, softcap):
+    """The Triton prefill kernel's row blocks, warps and K / V tiles in flight move work, never a
+    row's arithmetic: every launch `gpu-bench.py prefill-tiles` may pick gives the default's bits
+    (packed sequences, a sliding window and a soft cap included)."""
+    from kvtool.engine.kernels.attention import triton_prefill as tp
+
+    q_lens, k_lens = (700, 1, 129, 64), (700, 2000, 1000, 64)
+    g = torch.Generator(device=DEV).manual_seed(d)
+    q = torch.randn((sum(q_lens), 8, d), generator=g, device=DEV).to(torch.bfloat16)
+    k, v = (torch.randn((sum(k_lens), 4, d), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
+
+    def run(config):
+        return tp.triton_prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5, torch.empty_like(q), window,
+                                           softcap, config)
+
+    default = run(None)
+    for config in tp.launch_candidates(d):
+        assert torch.equal(run(config), default), config
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_prefill_kernel_on_packed_sequences(d):
     """The Gluon kernel that runs prefill rows on Hopper: close to float64 attention on every

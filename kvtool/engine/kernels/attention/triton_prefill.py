@@ -172,18 +172,51 @@ def _has_tma(device: torch.device) -> bool:
     return _tma_devices[index]
 
 
+def launch_config(head_dim: int, max_q: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) for a call whose longest sequence has max_q query rows.
+    The row block and the tiles in flight do not move a row's bits (BLOCK_N, `key_tile`, does, and
+    so do the rows per warp, which every launch of a head size keeps), so the choice is speed
+    alone: blocks of 128 rows once a sequence fills them, eight warps for those and for heads past
+    128 (Gemma's 256, whose [64, D] float32 output four warps cannot hold in registers: sm_90 code
+    spills), and one K / V tile in flight beside the one in use for heads past 128, whose tiles
+    fill shared memory."""
+    block_n = key_tile(head_dim)
+    block_m = 128 if max_q > 64 and block_n == 128 else 64
+    warps = 8 if block_m == 128 or head_dim > 128 else 4
+    return block_m, warps, 3 if block_n == 128 else 2
+
+
+# Shared memory a launch may fill with its tiles: the Q block and each K / V tile in flight (a
+# Hopper SM has 227 KiB; the 128-row blocks of 128-wide heads with 3 tiles in flight fill 224).
+SHARED_TILE_BYTES = 224 * 1024
+
+
+def launch_candidates(head_dim: int) -> list[tuple[int, int, int]]:
+    """Every (BLOCK_M, num_warps, num_stages) worth timing for a 16-bit head size: row blocks of 64
+    or 128 with the default launch's rows per warp, 1 to 3 K / V tiles in flight, within
+    SHARED_TILE_BYTES. The rows per warp stay: they fix how the warps share a block's columns
+    (16: each warpgroup holds whole rows; 8, the 256-wide heads': two warpgroups hold half a row
+    each), and with it the order in which a row's probabilities are summed."""
+    block_m, warps, _ = launch_config(head_dim, 65)
+    block_n = key_tile(head_dim)
+    return [(bm, bm * warps // block_m, stages) for bm in (64, 128) for stages in (1, 2, 3)
+            if 2 * head_dim * (bm + 2 * stages * block_n) <= SHARED_TILE_BYTES]
+
+
 def triton_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
     scale: float, out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed sequences through the Triton kernel above, on any CUDA device
     (each row over its last `window` keys when given; its scores soft-capped at `softcap` when given):
     q [T > 0, Hq, D], k/v [sum ctx, Hkv, D] (last dim contiguous), cu_q/cu_k [S + 1] int32.
+    `config` (BLOCK_M, num_warps, num_stages) replaces `launch_config`'s (the same bits).
     Writes and returns out [T, Hq, D]."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     block_n = key_tile(d)
-    block_m = 128 if max_q > 64 and block_n == 128 else 64
+    block_m, warps, stages = config or launch_config(d, max_q)
     grid = (hq, triton.cdiv(max_q, block_m), cu_q.shape[0] - 1)
     srcs = (q, k, v)
     # A descriptor's tile is a power of two wide: other head sizes load through pointers, padded.
@@ -193,13 +226,10 @@ def triton_prefill_attention(
     if tma:
         srcs = tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d])
                      for x, rows in zip(views, (block_m, block_n, block_n)))
-    # Eight warps for blocks of 128 rows, and for heads past 128 (Gemma's 256), whose [64, D]
-    # float32 output four warps cannot hold in registers (sm_90 code spills).
     _prefill_kernel[grid](
         *srcs, out, cu_q, cu_k, qk_factor(scale, softcap),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WINDOW=window or 0,
-        SOFTCAP=softcap or 0.0, num_warps=8 if block_m == 128 or dp > 128 else 4,
-        num_stages=3 if block_n == 128 else 2,
+        SOFTCAP=softcap or 0.0, num_warps=warps, num_stages=stages,
     )
     return out
