@@ -39,6 +39,10 @@ from kvtool.engine.connectors.config import KVTransferConfig, parse_kv_transfer_
 from kvtool.engine.connectors.registry import resolve_connector
 from kvtool.engine.errors import ConfigError
 
+# The arms' redis-servers send replies from a second thread (`--io-threads 2`, the main thread
+# and one more). Redis 7 hands writes to its I/O threads only while at least twice their number
+# of clients wait for replies, so two threads are what the connector's 4 connections engage.
+REDIS_ARM_ARGS: tuple[str, ...] = ("--io-threads", "2")
 BUILTIN_ARMS: tuple[str, ...] = ("none", "prefix-cache", "cpu", "disk", "lmcache", "redis", "redis-cluster",
                                   "redis-sentinel", "hf")
 # Built-in arms whose store is a Redis started for the run (redis_server.py), by name.
@@ -199,9 +203,9 @@ def open_arms(specs: list[str], *, lmcache_url: str | None = None) -> Iterator[l
         disk_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtool-disk-tier-")) if "disk" in names else None
         store_urls = {}
         if "redis" in names:
-            store_urls["redis"] = f"redis://127.0.0.1:{stack.enter_context(redis_server()).port}"
+            store_urls["redis"] = f"redis://127.0.0.1:{stack.enter_context(redis_server(REDIS_ARM_ARGS)).port}"
         if "redis-cluster" in names:
-            store_urls["redis-cluster"] = stack.enter_context(redis_cluster()).url
+            store_urls["redis-cluster"] = stack.enter_context(redis_cluster(extra=REDIS_ARM_ARGS)).url
         if "redis-sentinel" in names:
             store_urls["redis-sentinel"] = stack.enter_context(redis_sentinel()).url
         yield [parse_arm_spec(s) if "=" in s else
