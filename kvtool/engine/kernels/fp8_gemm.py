@@ -17,7 +17,14 @@ Every output element is one float32 sum over the groups in K order, each group's
 alone and scaled before it is added: nothing depends on the tile shape or on the rows beside
 a row, so one kernel serves every row count (a decode step, a prefill, a full hit's last rows)
 with the same bits. That holds for the warpgroup MMA of row tiles of MIN_BM rows and more; the
-mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is smaller. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
+mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is smaller.
+
+A weight whose column tiles would give a decode step a program or so per SM (`k_split`: Qwen3-8B's
+q/k/v, o_proj and down_proj) has its K split into a fixed number of parts by its shape alone:
+each part's groups are summed in K order as above, and the parts' sums are added in part order,
+at every row count. Up to SPLIT_PARALLEL_ROWS rows the parts run in programs of their own (float32
+partials; the last program of a tile, counted by an atomic, adds them); more rows run them in one
+program, which adds each part's sum to the total as the part's last group is added. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
 bf16's rate, so both decode (bandwidth-bound) and prefill (compute-bound) gain.
 """
 
@@ -28,10 +35,10 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
-from kvtool.engine.kernels.tiles import grouped_tile, sm_count
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count, tile_counters
 
-# Row counts that between them reach every tile configuration of `config_for` (the runner's
-# warm-up compiles them before the first request).
+# Row counts that between them reach every tile configuration of `config_for` and both ways a
+# split K runs (the runner's warm-up compiles them before the first request).
 WARM_UP_ROWS = (1, 65, 257)
 # Row tiles of fewer rows run the FP8 dot as mma.sync, whose sums round otherwise than the
 # warpgroup MMA of larger tiles: every configuration keeps at least this many rows.
@@ -56,33 +63,67 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_a, stride_as, stride_w, stride_c,
-                     stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, N, K, KP, stride_a, stride_as,
+                     stride_w, stride_c, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT: tl.constexpr, PARALLEL: tl.constexpr):
     """c = (a * as) @ (w * s).T, a [M, K] FP8 with one scale per row and BK-group, w [N, K] FP8;
-    grouped tile order."""
-    pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    grouped tile order. SPLIT > 1: K in SPLIT parts of KP columns, each summed alone and the parts
+    added in part order, by SPLIT programs per tile (PARALLEL: float32 partials in part_ptr
+    [SPLIT, M, N], tile counters in lock_ptr) or by one program that folds each part into the
+    total as its last group is added."""
+    pid = tl.program_id(0)
+    if PARALLEL:
+        part = pid % SPLIT
+        pm, pn = grouped_tile(pid // SPLIT, M, N, BM, BN, GROUP_M)
+        k_lo = part * KP
+        k_hi = k_lo + KP
+    else:
+        pm, pn = grouped_tile(pid, M, N, BM, BN, GROUP_M)
+        k_lo = 0
+        k_hi = K
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    a_p = a_ptr + rm[:, None].to(tl.int64) * stride_a + rk[None, :]
+    a_p = a_ptr + rm[:, None].to(tl.int64) * stride_a + (k_lo + rk)[None, :]
     as_p = as_ptr + rm.to(tl.int64) * stride_as
-    w_p = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    w_p = w_ptr + rn[:, None].to(tl.int64) * stride_w + (k_lo + rk)[None, :]
     s_p = s_ptr + (rn // SCALE_ROWS) * stride_sn
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
         k_ok = (k0 + rk)[None, :] < K
         a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
         a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
         w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+        if SPLIT > 1 and not PARALLEL:
+            # A part's last group: its sum joins the total and the next part starts from zero
+            # (selects rather than a branch, so the loop stays one pipelined block).
+            last = (k0 + BK) % KP == 0
+            total = tl.where(last, total + acc, total)
+            acc = tl.where(last, 0.0, acc)
         a_p += BK
         w_p += BK
+    out_ok = m_ok[:, None] & n_ok[None, :]
     c_p = c_ptr + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
-    tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT == 1:
+        tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
+    elif PARALLEL:
+        at = rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + part * M * N + at, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is written before the tile's count moves
+        tile = pid // SPLIT
+        if tl.atomic_add(lock_ptr + tile, 1) == SPLIT - 1:  # the tile's last part to finish adds them all
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + s * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(c_p, total.to(c_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next product
+    else:
+        tl.store(c_p, total.to(c_ptr.dtype.element_ty), mask=out_ok)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +150,24 @@ def config_for(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 4
 
 
+# A weight whose column tiles at one row give fewer than about SPLIT_PROGRAMS programs (each of
+# MIN_BM rows and 32 columns) splits its K (`k_split`) into parts of at least SPLIT_MIN_PART
+# columns: a decode step's weights then stream through several programs per SM.
+SPLIT_PROGRAMS = 512
+SPLIT_MIN_PART = 1024
+# Products of up to this many rows run the parts of a split K in programs of their own.
+SPLIT_PARALLEL_ROWS = 64
+
+
+def k_split(n: int, k: int) -> int:
+    """How many equal parts the K of an FP8 [n, k] weight is split into (1: not split), by the
+    weight's shape alone so that every row count splits it the same way; each part whole groups."""
+    parts = min(-(-SPLIT_PROGRAMS * 32 // n), k // SPLIT_MIN_PART)
+    while parts > 1 and k % (GROUP * parts):
+        parts -= 1
+    return max(parts, 1)
+
+
 def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ the FP8 weight [N, K].T -> [M, N] in x's dtype."""
     m, k = x.shape
@@ -123,9 +182,17 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
         raise ValueError(f"FP8 row tiles of {bm} rows round otherwise than those of {MIN_BM} and more")
     q, q_scale = quantize_rows(x)
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _fp8_gemm_kernel[grid](q, q_scale, w.data, w.scale, c, m, n, k, q.stride(0), q_scale.stride(0), w.data.stride(0),
-                           c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
-                           SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, num_warps=warps,
-                           num_stages=stages)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = k_split(n, k)
+    parallel = split > 1 and m <= SPLIT_PARALLEL_ROWS
+    if parallel:
+        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        locks = tile_counters(x.device, tiles)
+    else:
+        parts = locks = c  # not read
+    _fp8_gemm_kernel[(tiles * split if parallel else tiles,)](
+        q, q_scale, w.data, w.scale, c, parts, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),
+        w.data.stride(0), c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
+        SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, SPLIT=split, PARALLEL=parallel,
+        num_warps=warps, num_stages=stages)
     return c

@@ -39,7 +39,7 @@ import triton.language as tl
 from kvtool.engine.kernels.fp8_gemm import fp8_mm
 from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.gemv import gemv, gemv_fits
-from kvtool.engine.kernels.tiles import grouped_tile, sm_count
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count, tile_counters
 
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
 CUBLAS_MIN_ROWS = 1024
@@ -119,11 +119,6 @@ SPLIT_MIN_PART = 512
 SPLIT_PROGRAMS = 256
 # Products of up to this many rows run the parts of a split K in programs of their own.
 SPLIT_PARALLEL_ROWS = 64
-# Tile counters of the parallel parts, per device; each tile's counter is back at 0 after its product.
-_LOCKS = 1 << 14
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
 def k_split(n: int, k: int) -> int:
     """How many equal parts the K of an [n, k] weight is split into (1: not split). A function of
     the weight's shape alone, so that every row count of every step splits it the same way; each
@@ -134,14 +129,6 @@ def k_split(n: int, k: int) -> int:
     while parts > 1 and k % (16 * parts):
         parts -= 1
     return max(parts, 1)
-
-
-def _tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > _LOCKS:
-        raise ValueError(f"{tiles} tiles of a split product, more than the {_LOCKS} counters")
-    if device not in _locks:
-        _locks[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
-    return _locks[device]
 
 
 def config_for(rows: int, n: int | None = None, num_sms: int = 0, k: int = 0) -> tuple[int, int, int, int, int]:
@@ -239,7 +226,7 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     parallel = split > 1 and m <= SPLIT_PARALLEL_ROWS
     if parallel:
         parts = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-        locks = _tile_locks(a.device, tiles)
+        locks = tile_counters(a.device, tiles)
     else:
         parts = locks = c  # not read
     _gemm_kernel[(tiles * split if parallel else tiles,)](

@@ -1,4 +1,5 @@
-"""What the GEMM kernels share: the grouped order of output tiles and the device's SM count."""
+"""What the GEMM kernels share: the grouped order of output tiles, the device's SM count, and the
+tile counters of products whose K is split over programs."""
 
 from __future__ import annotations
 
@@ -27,3 +28,17 @@ def sm_count(device: torch.device) -> int:
     if index not in _num_sms:
         _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _num_sms[index]
+
+
+# Tile counters of split products, per device; each tile's counter is back at 0 after its product.
+_COUNTERS = 1 << 14
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's int32 tile counters (all zero between products), enough for `tiles` tiles."""
+    if tiles > _COUNTERS:
+        raise ValueError(f"{tiles} tiles of a split product, more than the {_COUNTERS} counters")
+    if device not in _counters:
+        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]

@@ -79,6 +79,7 @@ def test_split_products_replay_from_cuda_graphs():
     is: every replay over new rows gives the eager product's bits, and leaves every tile counter
     at zero for the next product."""
     from kvtool.engine.kernels import row_invariant_gemm as rig
+    from kvtool.engine.kernels import tiles
 
     for n, k in SHAPES["0.6b"]:
         for rows in (1, 8, 64):
@@ -96,7 +97,7 @@ def test_split_products_replay_from_cuda_graphs():
                 torch.cuda.synchronize()
                 assert torch.equal(y, rig.triton_mm(a[i * rows : (i + 1) * rows], w)), (n, k, rows, i)
                 assert torch.equal(y, rig.triton_mm(a, w)[i * rows : (i + 1) * rows]), (n, k, rows, i)
-            assert all(int(locks.abs().sum()) == 0 for locks in rig._locks.values())
+            assert all(int(counters.abs().sum()) == 0 for counters in tiles._counters.values())
 
 
 def test_linear_route_argument_and_bias():
