@@ -381,11 +381,11 @@ def kernel_fp8_gemm(sweep: bool = False) -> None:
             bf16_ms = do_bench(lambda: linear(x, dense, row_invariant=True), warmup=20, rep=200, return_mode="median")
             if m == 1:
                 record("kernels", f"FP8 GEMM 1 row, N={n} K={k}", n * k / fp8_ms / 1e9, "TB/s", HBM_TBS,
-                       ms=round(fp8_ms, 4), bf16_ms=round(bf16_ms, 4), config=config_for(m, n, sms))
+                       ms=round(fp8_ms, 4), bf16_ms=round(bf16_ms, 4), config=config_for(m, n, sms, k))
             else:
                 flop = 2 * m * n * k
                 record("kernels", f"FP8 GEMM {m} rows, N={n} K={k}", flop / fp8_ms / 1e9, "TFLOP/s",
-                       2 * PEAK_TFLOPS, ms=round(fp8_ms, 3), bf16_ms=round(bf16_ms, 3), config=config_for(m, n, sms))
+                       2 * PEAK_TFLOPS, ms=round(fp8_ms, 3), bf16_ms=round(bf16_ms, 3), config=config_for(m, n, sms, k))
             if sweep:
                 small = ((64, 16, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3))
                 large = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3))
@@ -1232,7 +1232,7 @@ def section_fp8_tiles():
         w_bf16 = dense.bfloat16()
         for rows in (FP8_TILE_ROWS[0], FP8_TILE_ROWS[-1]) if QUICK else FP8_TILE_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
-            default = config_for(rows, n, sms)
+            default = config_for(rows, n, sms, k)
             best, best_ms, default_ms, differ = fastest_tiles(lambda cfg: fp8_mm(x, w, cfg), default,
                                                               fp8_tile_candidates(rows, MIN_BM),
                                                               f"fp8-tiles N={n} K={k} M={rows}")

@@ -48,6 +48,13 @@ QUANTIZE_GROUPS = 8
 
 
 @triton.jit
+def _quantize_group(x):
+    """x [R, G] float32, one group per row: (x / s in FP8, s) with s = max(|x|, 1e-10) / 448 per row."""
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
+    return tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, G: tl.constexpr,
                           GROUPS: tl.constexpr):
     """GROUPS G-column groups of one row: per group s = max(|x|, 1e-10) / 448, q = x / s in FP8."""
@@ -55,9 +62,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, 
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * G + tl.arange(0, G)[None, :]
     ok = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    q, scale = _quantize_group(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32))
     tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
     tl.store(s_ptr + row * stride_s + g, scale, mask=g * G < K)
 
@@ -66,12 +71,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, 
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, N, K, KP, stride_a, stride_as,
                      stride_w, stride_c, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr, PARALLEL: tl.constexpr):
+                     SPLIT: tl.constexpr, PARALLEL: tl.constexpr, QUANTIZE: tl.constexpr):
     """c = (a * as) @ (w * s).T, a [M, K] FP8 with one scale per row and BK-group, w [N, K] FP8;
     grouped tile order. SPLIT > 1: K in SPLIT parts of KP columns, each summed alone and the parts
     added in part order, by SPLIT programs per tile (PARALLEL: float32 partials in part_ptr
     [SPLIT, M, N], tile counters in lock_ptr) or by one program that folds each part into the
-    total as its last group is added."""
+    total as its last group is added. QUANTIZE: a holds the activations unquantised (16-bit) and
+    each program quantises its rows' groups as `_quantize_rows_kernel` does, with its arithmetic."""
     pid = tl.program_id(0)
     if PARALLEL:
         part = pid % SPLIT
@@ -95,8 +101,11 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = (k0 + rk)[None, :] < K
-        a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
-        a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
+        if QUANTIZE:
+            a, a_s = _quantize_group(tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0).to(tl.float32))
+        else:
+            a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
+            a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
         w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
@@ -140,14 +149,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def config_for(rows: int, n: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns; the bits are the same
-    for every choice (BM at least MIN_BM), so it is speed alone."""
+def config_for(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns from k inputs; the bits
+    are the same for every choice (BM at least MIN_BM), so it is speed alone. From `gpu-bench.py
+    fp8-tiles` on an H100 (Qwen3-8B's block-wise projections, K split as `k_split` splits it):
+    at one row 64 columns per program once the programs of all parts cover the SMs one and a half
+    times, else 32; at 8192 rows 64-row tiles 128 wide, 256 wide for a long K (down_proj), and
+    128 x 128 tiles over eight warps for a wide output (gate/up)."""
     if rows <= 64:
-        return (64, 64, 4, 4) if triton.cdiv(n, 64) >= num_sms else (64, 32, 4, 4)
+        wide = triton.cdiv(n, 64) * k_split(n, k) * 2 >= 3 * num_sms if k else triton.cdiv(n, 64) >= num_sms
+        return (64, 64, 4, 3) if wide else (64, 32, 4, 4)
     if rows <= 256:
         return 64, 128, 4, 4
-    return 128, 128, 8, 4
+    if n >= 8192:
+        return 128, 128, 8, 3
+    return (64, 256, 8, 3) if k >= 8192 else (64, 128, 4, 3)
 
 
 # A weight whose column tiles at one row give fewer than about SPLIT_PROGRAMS programs (each of
@@ -157,6 +173,10 @@ SPLIT_PROGRAMS = 512
 SPLIT_MIN_PART = 1024
 # Products of up to this many rows run the parts of a split K in programs of their own.
 SPLIT_PARALLEL_ROWS = 64
+# Products of up to this many rows quantise their activations inside the product's programs (a
+# decode step's few rows: one launch instead of two per projection); more rows are quantised once
+# by `quantize_rows` first, rather than once per column tile. The same arithmetic either way.
+FUSED_QUANTIZE_ROWS = 64
 
 
 def k_split(n: int, k: int) -> int:
@@ -177,10 +197,11 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return c
-    bm, bn, warps, stages = config or config_for(m, n, sm_count(x.device))
+    bm, bn, warps, stages = config or config_for(m, n, sm_count(x.device), k)
     if bm < MIN_BM:
         raise ValueError(f"FP8 row tiles of {bm} rows round otherwise than those of {MIN_BM} and more")
-    q, q_scale = quantize_rows(x)
+    fused = m <= FUSED_QUANTIZE_ROWS
+    q, q_scale = (x, x) if fused else quantize_rows(x)  # fused: the kernel quantises x itself
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = k_split(n, k)
@@ -194,5 +215,5 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
         q, q_scale, w.data, w.scale, c, parts, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),
         w.data.stride(0), c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, SPLIT=split, PARALLEL=parallel,
-        num_warps=warps, num_stages=stages)
+        QUANTIZE=fused, num_warps=warps, num_stages=stages)
     return c

@@ -253,7 +253,7 @@ def test_an_fp8_weight_splits_its_k_by_its_shape_alone(cuda_modules):
         assert parts == 1 or (k % (fp8_gemm.GROUP * parts) == 0 and k // parts >= fp8_gemm.SPLIT_MIN_PART)
 
     def launches(rows):
-        return {(fp8_gemm.config_for(rows, n, 132), rows <= fp8_gemm.SPLIT_PARALLEL_ROWS) for n, _ in split}
+        return {(fp8_gemm.config_for(rows, n, 132, k), rows <= fp8_gemm.SPLIT_PARALLEL_ROWS) for n, k in split}
 
     reached = set().union(*(launches(r) for r in fp8_gemm.WARM_UP_ROWS))
     assert reached == set().union(*(launches(r) for r in range(1, 4096)))
