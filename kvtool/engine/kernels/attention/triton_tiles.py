@@ -8,9 +8,12 @@ kernel merges a sequence's tiles one after another in tile order. The number of 
 sequence still follows the batch (to fill the GPU), but it only decides which program computes
 which tiles, never what a tile computes: a row's bits depend on its context alone.
 
-With a window W a row reads its last W keys: the tiles from the one holding key ctx - W on, the
-first masked below it; the tiles before are neither computed nor merged (their slots stay unused).
-What a row gets still depends on its context and W alone.
+With a window W a row reads its last W keys, in tiles of WINDOW_TILE tokens (finer than TILE: a
+window holds few tiles, and a batch of one row spreads them over its programs): the tiles from
+the one holding key ctx - W on, the first masked below it; the tiles before are neither computed
+nor merged. Such a layer's partials have slots of their own, WINDOW_SLOTS(W) per sequence (as
+many tiles as W keys can touch), so sequence b's tiles start at b * WINDOW_SLOTS(W). What a row
+gets still depends on its context and W alone.
 
 Tile slots are flat: sequence b's tiles start at `tile_base[b]`, the exclusive prefix sum of
 ceil(context / TILE) (`context.tile_bases`), so the partials take one row per tile of the batch.
@@ -26,6 +29,14 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.attention.context import TILE
+
+# Tokens per tile of a sliding-window layer (a multiple of every decode BLOCK_N).
+WINDOW_TILE = 128
+
+
+def window_slots(window: int) -> int:
+    """Tiles of WINDOW_TILE tokens that a row's last `window` keys can touch."""
+    return -(-window // WINDOW_TILE) + 1
 from kvtool.engine.kernels.attention.triton_ops import _check_pages, decode_launch, page_scales, qk_factor, soft_cap
 
 
@@ -40,7 +51,7 @@ def _tile_partials_kernel(
     k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
-    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each
     (with SOFTCAP > 0, over soft-capped scores: qk_scale_log2 is then scale / SOFTCAP)."""
@@ -58,7 +69,10 @@ def _tile_partials_kernel(
     # window, so no row's state starts from a block it cannot see.
     start = tl.maximum(first * TILE_N, lo // BLOCK_N * BLOCK_N)
     end = tl.minimum((first + per) * TILE_N, ctx)
-    tile_base = tl.load(base_ptr + b * stride_base)
+    if WINDOW_SLOTS > 0:  # a window's slots: the sequence's own WINDOW_SLOTS, from its first tile
+        tile_base = b * WINDOW_SLOTS - first_tile
+    else:
+        tile_base = tl.load(base_ptr + b * stride_base)
 
     rows = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DP)
@@ -110,6 +124,7 @@ def _tile_partials_kernel(
 def _merge_tiles_kernel(
     mid_o_ptr, mid_lse_ptr, ctx_ptr, stride_ctx, base_ptr, stride_base, o_ptr, stride_ot, stride_oh,
     num_q_heads, D: tl.constexpr, DP: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr,
 ):
     """Merge the tiles of one (sequence, query head) in tile order; no tile: a zero row."""
     b = tl.program_id(0)
@@ -119,7 +134,10 @@ def _merge_tiles_kernel(
     first_tile = 0
     if WINDOW > 0:
         first_tile = tl.maximum(ctx - WINDOW, 0) // TILE_N
-    tile_base = tl.load(base_ptr + b * stride_base)
+    if WINDOW_SLOTS > 0:
+        tile_base = b * WINDOW_SLOTS - first_tile
+    else:
+        tile_base = tl.load(base_ptr + b * stride_base)
     d = tl.arange(0, DP)
     d_ok = d < D
     m = tl.full([1], float("-inf"), dtype=tl.float32)
@@ -163,7 +181,8 @@ def paged_decode_tiles(
     `triton_ops.store_kv`).
 
     tile_base [B] int32 from `context.tile_bases`; num_tiles: tile slots to allocate (at least the
-    batch's tiles); num_programs per sequence: any value >= 1 gives the same bits; order [B]
+    batch's tiles; a window layer's slots are its own); num_programs per sequence: any value >= 1
+    gives the same bits (a window layer takes up to twice as many, within its tiles); order [B]
     int32: the launch order of the rows (a permutation). fp8 pages need k_scale / v_scale ([L]
     float32), as for `paged_decode`."""
     bs, hkv, d, stride_l = _check_pages(pages)
@@ -172,6 +191,10 @@ def paged_decode_tiles(
     if b == 0:
         return
     group = hq // hkv
+    tile_n, per_window = TILE, 0
+    if window:  # its own slots and finer tiles; programs enough for a window's tiles at batch 1
+        tile_n, per_window = WINDOW_TILE, window_slots(window)
+        num_tiles, num_programs = b * per_window, min(per_window, 2 * num_programs)
     slots = max(1, num_tiles)
     mid_o = torch.empty((slots, hq, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((slots, hq), dtype=torch.float32, device=q.device)
@@ -187,11 +210,11 @@ def paged_decode_tiles(
         mid_o, mid_lse, order,
         hq, num_programs, qk_factor(scale, softcap), ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
-        BLOCK_SIZE=bs, BLOCK_N=block_n, TILE_N=TILE, WINDOW=window or 0, KV_FP8=fp8_max is not None,
-        SOFTCAP=softcap or 0.0, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, TILE_N=tile_n, WINDOW=window or 0, WINDOW_SLOTS=per_window,
+        KV_FP8=fp8_max is not None, SOFTCAP=softcap or 0.0, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
-        out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=TILE, WINDOW=window or 0,
-        num_warps=4,
+        out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=tile_n, WINDOW=window or 0,
+        WINDOW_SLOTS=per_window, num_warps=4,
     )
