@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
-from kvtool.engine.kernels.tiles import grouped_tile, sm_count, tile_counters
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count, split_launch
 
 # Row counts that between them reach every tile configuration of `config_for` and both ways a
 # split K runs (the runner's warm-up compiles them before the first request).
@@ -205,13 +205,8 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = k_split(n, k)
-    parallel = split > 1 and m <= SPLIT_PARALLEL_ROWS
-    if parallel:
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        locks = tile_counters(x.device, tiles)
-    else:
-        parts = locks = c  # not read
-    _fp8_gemm_kernel[(tiles * split if parallel else tiles,)](
+    programs, parts, locks, parallel = split_launch(m, n, tiles, split, SPLIT_PARALLEL_ROWS, c)
+    _fp8_gemm_kernel[(programs,)](
         q, q_scale, w.data, w.scale, c, parts, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),
         w.data.stride(0), c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, SPLIT=split, PARALLEL=parallel,

@@ -39,7 +39,7 @@ import triton.language as tl
 from kvtool.engine.kernels.fp8_gemm import fp8_mm
 from kvtool.engine.kernels.fp8_weight import Fp8Weight
 from kvtool.engine.kernels.gemv import gemv, gemv_fits
-from kvtool.engine.kernels.tiles import grouped_tile, sm_count, tile_counters
+from kvtool.engine.kernels.tiles import grouped_tile, sm_count, split_launch
 
 # From this many rows up cuBLAS picks kernels that do not split K on the shapes of the presets.
 CUBLAS_MIN_ROWS = 1024
@@ -223,13 +223,8 @@ def triton_mm(a: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int
     bm, bn, bk, warps, stages = config or config_for(m, n, sm_count(a.device), k)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = k_split(n, k)
-    parallel = split > 1 and m <= SPLIT_PARALLEL_ROWS
-    if parallel:
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-        locks = tile_counters(a.device, tiles)
-    else:
-        parts = locks = c  # not read
-    _gemm_kernel[(tiles * split if parallel else tiles,)](
+    programs, parts, locks, parallel = split_launch(m, n, tiles, split, SPLIT_PARALLEL_ROWS, c)
+    _gemm_kernel[(programs,)](
         a, w, c, parts, locks, m, n, k, k // split, a.stride(0), w.stride(0), c.stride(0),
         BM=bm, BN=bn, BK=bk, GROUP_M=8, SPLIT=split, PARALLEL=parallel, num_warps=warps, num_stages=stages)
     return c
