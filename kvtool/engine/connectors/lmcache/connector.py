@@ -11,8 +11,9 @@ a TP-N vLLM: its worker half stores and loads its own KV-head shard under its ow
 config). The scheduler half asks the server (EXIST) which leading chunks of a prompt it holds,
 a chunk counting only when every rank's key for it is there; the worker half GETs them into
 host buffers, checks each reply against its pages (chunk_fit.py, the check `verify-keys --peer`
-uses too), and scatters them; after the forward it gathers newly completed prompt chunks and
-PUTs them on a background thread.
+uses too), and scatters them; after the forward it gathers newly completed prompt chunks, copies
+them to the host without holding the step up (store_staging.py) and PUTs them on a background
+thread.
 
 With KV cache groups (`kv.groups`, blake3 mode only: in the peer modes the engine keeps one
 group, as vLLM turns its hybrid manager off for LMCache) each group's chunk is an object of its
@@ -43,6 +44,7 @@ from kvtool.engine.connectors.base import (
     WorkerHalf,
 )
 from kvtool.engine.connectors.lmcache.chunk_fit import chunk_geometry_of_pages, chunk_problem
+from kvtool.engine.connectors.lmcache.store_staging import StagedChunks, StoreStaging
 from kvtool.engine.connectors.group_chunks import GroupChunks
 from kvtool.engine.connectors.lmcache.identity_digest import make_group_key_settings, make_identity_digest
 from kvtool.engine.connectors.lmcache.keys import (
@@ -335,6 +337,7 @@ class LMCacheWorker(WorkerHalf):
         self._pool: list[torch.Tensor] = []  # host buffers for GETs, one per chunk in flight
         self.chunk_tokens = settings.chunk_tokens
         self.pending_puts: list[Future] = []
+        self._staging: StoreStaging | None = None  # host copies of stored chunks, made at the first store
         self._stored: list[str] = []  # rank 0's keys of the chunks stored since take_completions
         self.verify_payload = settings.verify_payload
         self._secret = payload_secret() if settings.verify_payload else None
@@ -444,22 +447,28 @@ class LMCacheWorker(WorkerHalf):
             raise KVRefused(f"LMCache chunk {job.key} does not fit this rank's KV pages: {problem}")
 
     def wait_for_save(self) -> None:
-        stores = self._meta.stores
         failed = {j.request_id for j in self._meta.loads if not self.errors.keys().isdisjoint(j.block_ids)}
-        items = []
+        # A chunk computed over KV that failed to load is never stored.
+        jobs = [job for job in self._meta.stores if job.request_id not in failed]
+        if not jobs:
+            return
         t0 = time.perf_counter()
-        for job in stores:
-            if job.request_id in failed:
-                continue  # computed over KV that failed to load: never store it
-            n = job.end - job.start
-            data = self.kv_pages.gather(job.block_ids, "KV_2LTD", n)
-            buf = data.cpu() if data.device.type != "cpu" else data
-            items.append((job, buf))
+        if self._staging is None:
+            g = self.geometry
+            chunk_bytes = 2 * self.num_slots * self.chunk_tokens * g.kv_hidden_size * self.dtype.itemsize
+            self._staging = StoreStaging(self.kv_pages, chunk_bytes)
+        staged = self._staging.stage([(job.block_ids, job.end - job.start) for job in jobs])
         with self._stats_lock:
             self.stats.store_s += time.perf_counter() - t0
-        if items:
-            self.pending_puts = [f for f in self.pending_puts if not f.done()]
-            self.pending_puts.append(self.putter.submit(self._put, items))
+        self.pending_puts = [f for f in self.pending_puts if not f.done()]
+        self.pending_puts.append(self.putter.submit(self._put_staged, jobs, staged))
+
+    def _put_staged(self, jobs: list[ChunkJob], staged: StagedChunks) -> None:
+        try:
+            staged.wait()
+            self._put(list(zip(jobs, staged.hosts)))
+        finally:
+            self._staging.release(staged)
 
     def _put(self, items: list[tuple[ChunkJob, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
