@@ -3,9 +3,9 @@
 After the forward, the worker half gathers each newly completed chunk from the pages and hands
 the host copies to its PUT thread. On a CUDA engine a plain `.cpu()` of each chunk would copy
 into pageable memory, through the driver's bounce buffers, while the step waits: 1.2 GB for an
-8k-token prompt of Qwen3-8B. Here the chunks are gathered on the device and copied into pinned
-staging buffers by a copy stream of their own, after the gathers; the step goes on at once, and
-the PUT thread waits for the copies' event before it sends. A buffer goes back to the pool once
+8k-token prompt of Qwen3-8B. Here each chunk is gathered on the device and copied into a pinned
+staging buffer by a copy stream of its own, after its gather; the step goes on at once, and the
+PUT thread waits for the copies' event before it sends. A buffer goes back to the pool once
 its chunk was sent (or failed). At most MAX_BUFFERS chunks are staged at a time; a chunk past
 that is copied the old way (pageable, the step waiting), never held until the store drains, so
 a slow store never stalls a step. On a CPU engine the gathered tensor is the host copy.
@@ -51,36 +51,36 @@ class StoreStaging:
         self._stream: torch.cuda.Stream | None = None
 
     def stage(self, chunks: Sequence[tuple[Sequence[int], int]]) -> StagedChunks:
-        """Host copies of the chunks given as (block ids, tokens), in that order."""
-        gathered = [self.kv_pages.gather(blocks, "KV_2LTD", n) for blocks, n in chunks]
+        """Host copies of the chunks given as (block ids, tokens), in that order. A chunk is gathered
+        on the device only when its copy is next, so the device holds at most the staged chunks'
+        gathers (until the copy stream has read them) and one more."""
         if self.device.type != "cuda":
-            return StagedChunks(gathered, None, [])
+            return StagedChunks([self.kv_pages.gather(blocks, "KV_2LTD", n) for blocks, n in chunks], None, [])
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        gathers_done = torch.cuda.Event()
-        gathers_done.record()
         hosts: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
-        staged = False
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(gathers_done)
-            for data in gathered:
-                buf = self._take(data.numel() * data.element_size())
-                if buf is None:  # every buffer is in flight: the pageable copy, the step waiting
-                    hosts.append(None)
-                    continue
-                host = buf[: data.numel() * data.element_size()].view(data.dtype).view(data.shape)
+        for blocks, n in chunks:
+            data = self.kv_pages.gather(blocks, "KV_2LTD", n)
+            nbytes = data.numel() * data.element_size()
+            buf = self._take(nbytes)
+            if buf is None:  # every buffer is in flight: the pageable copy, the step waiting
+                hosts.append(data.cpu())
+                continue
+            gathered = torch.cuda.Event()
+            gathered.record()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(gathered)
+                host = buf[:nbytes].view(data.dtype).view(data.shape)
                 host.copy_(data, non_blocking=True)
                 data.record_stream(self._stream)  # its memory is not reused before the copy ran
-                hosts.append(host)
-                buffers.append(buf)
-                staged = True
+            hosts.append(host)
+            buffers.append(buf)
+        ready = None
+        if buffers:
             ready = torch.cuda.Event()
-            ready.record()
-        for i, data in enumerate(gathered):
-            if hosts[i] is None:
-                hosts[i] = data.cpu()
-        return StagedChunks(hosts, ready if staged else None, buffers)
+            ready.record(self._stream)
+        return StagedChunks(hosts, ready, buffers)
 
     def release(self, staged: StagedChunks) -> None:
         """Give a step's buffers back once its PUT has sent (or failed to send) them."""
