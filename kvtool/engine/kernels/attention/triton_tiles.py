@@ -6,7 +6,10 @@ context is cut into fixed tiles (tokens [TILE * t, TILE * t + TILE)): each tile 
 online softmax from scratch and writes its (output, log-sum-exp) to its own slot, and a second
 kernel merges a sequence's tiles one after another in tile order. The number of programs per
 sequence still follows the batch (to fill the GPU), but it only decides which program computes
-which tiles, never what a tile computes: a row's bits depend on its context alone.
+which tiles, never what a tile computes: a row's bits depend on its context alone. With one
+program per sequence (a large batch), each program runs all its sequence's tiles and folds each
+into the merge itself, with the merge kernel's arithmetic (`_fold_tile`): no partials are written
+and no second kernel runs, and the rows keep their bits.
 
 With a window W a row reads its last W keys, in tiles of WINDOW_TILE tokens (finer than TILE: a
 window holds few tiles, and a batch of one row spreads them over its programs): the tiles from
@@ -40,21 +43,34 @@ def window_slots(window: int) -> int:
 from kvtool.engine.kernels.attention.triton_ops import _check_pages, decode_launch, page_scales, qk_factor, soft_cap
 
 
+@triton.jit
+def _fold_tile(m, l, acc, lse, o):
+    """Fold one tile's (log-sum-exp, output) into a running merge of rows [R] / [R, DP], in tile
+    order. Every product and sum is written out, so the merge kernel and a program that merges its
+    own tiles round alike."""
+    m_new = tl.maximum(m, lse)
+    alpha = tl.exp2(m - m_new)
+    w = tl.exp2(lse - m_new)
+    return m_new, tl.fma(l, alpha, w), tl.fma(acc, alpha[:, None], o * w[:, None])
+
+
 @triton.jit(do_not_specialize=["layer"])
 def _tile_partials_kernel(
     q_ptr, stride_qt, stride_qh,
     pages_ptr, layer_off, stride_blk, stride_kv, stride_tok, stride_h,
     bt_ptr, stride_bt_row, stride_bt_col,
     ctx_ptr, stride_ctx, base_ptr, stride_base,
-    mid_o_ptr, mid_lse_ptr, order_ptr,
+    mid_o_ptr, mid_lse_ptr, order_ptr, o_ptr, stride_ot, stride_oh,
     num_q_heads, num_programs, qk_scale_log2,
     k_scale_ptr, v_scale_ptr, layer,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
-    WINDOW_SLOTS: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, MERGE: tl.constexpr,
 ):
     """One (KV head, sequence, program): the program's contiguous run of tiles, one partial each
-    (with SOFTCAP > 0, over soft-capped scores: qk_scale_log2 is then scale / SOFTCAP)."""
+    (with SOFTCAP > 0, over soft-capped scores: qk_scale_log2 is then scale / SOFTCAP). MERGE (one
+    program per sequence, which then runs every tile): each tile's partial is folded into the
+    merge as `_merge_tiles_kernel` folds it, and the program writes the rows' output itself."""
     kvh = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
     prog = tl.program_id(2)
@@ -85,6 +101,9 @@ def _tile_partials_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
+    merged_m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    merged_l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    merged = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
     kv_base = pages_ptr + layer_off + kvh * stride_h
     if KV_FP8:
         ks = tl.load(k_scale_ptr + layer)
@@ -112,12 +131,19 @@ def _tile_partials_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
         if ((t0 + BLOCK_N) % TILE_N == 0) | (t0 + BLOCK_N >= end):
-            idx = (tile_base + t0 // TILE_N) * num_q_heads + heads
-            tl.store(mid_o_ptr + idx[:, None].to(tl.int64) * D + d[None, :], acc / l[:, None], mask=out_mask)
-            tl.store(mid_lse_ptr + idx, m + tl.log2(l), mask=row_mask)
+            if MERGE:
+                merged_m, merged_l, merged = _fold_tile(merged_m, merged_l, merged, m + tl.log2(l), acc / l[:, None])
+            else:
+                idx = (tile_base + t0 // TILE_N) * num_q_heads + heads
+                tl.store(mid_o_ptr + idx[:, None].to(tl.int64) * D + d[None, :], acc / l[:, None], mask=out_mask)
+                tl.store(mid_lse_ptr + idx, m + tl.log2(l), mask=row_mask)
             m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
             l = tl.zeros([GROUP_PAD], dtype=tl.float32)
             acc = tl.zeros([GROUP_PAD, DP], dtype=tl.float32)
+    if MERGE:
+        out = merged / tl.where(merged_l > 0, merged_l, 1.0)[:, None]
+        tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit
@@ -142,19 +168,14 @@ def _merge_tiles_kernel(
     d_ok = d < D
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     l = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([DP], dtype=tl.float32)
+    acc = tl.zeros([1, DP], dtype=tl.float32)
     for t in range(first_tile, n):
         idx = (tile_base + t) * num_q_heads + h
         lse = tl.load(mid_lse_ptr + idx + tl.arange(0, 1))
-        o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        l = l * alpha + w
-        acc = acc * alpha + o * w
-        m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+        o = tl.load(mid_o_ptr + idx.to(tl.int64) * D + d[None, :], mask=d_ok[None, :], other=0.0)
+        m, l, acc = _fold_tile(m, l, acc, lse, o)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
 def paged_decode_tiles(
@@ -194,8 +215,12 @@ def paged_decode_tiles(
     tile_n, per_window = TILE, 0
     if window:  # its own slots and finer tiles; programs enough for a window's tiles at batch 1
         tile_n, per_window = WINDOW_TILE, window_slots(window)
-        num_tiles, num_programs = b * per_window, min(per_window, 2 * num_programs)
-    slots = max(1, num_tiles)
+        num_tiles = b * per_window
+        if num_programs > 1:
+            num_programs = min(per_window, 2 * num_programs)
+    # One program per sequence merges its own tiles: no partials to write, no merge kernel.
+    merge = num_programs == 1
+    slots = 1 if merge else max(1, num_tiles)
     mid_o = torch.empty((slots, hq, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((slots, hq), dtype=torch.float32, device=q.device)
     if order.stride(0) != 1:
@@ -207,12 +232,14 @@ def paged_decode_tiles(
         pages.stride(3), pages.stride(4),
         block_table, block_table.stride(0), block_table.stride(1),
         context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
-        mid_o, mid_lse, order,
+        mid_o, mid_lse, order, out, out.stride(0), out.stride(1),
         hq, num_programs, qk_factor(scale, softcap), ks, vs, layer,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, DP=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_N=block_n, TILE_N=tile_n, WINDOW=window or 0, WINDOW_SLOTS=per_window,
-        KV_FP8=fp8_max is not None, SOFTCAP=softcap or 0.0, num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=fp8_max is not None, SOFTCAP=softcap or 0.0, MERGE=merge, num_warps=num_warps, num_stages=num_stages,
     )
+    if merge:
+        return
     _merge_tiles_kernel[(b, hq)](
         mid_o, mid_lse, context_lens, context_lens.stride(0), tile_base, tile_base.stride(0),
         out, out.stride(0), out.stride(1), hq, D=d, DP=triton.next_power_of_2(d), TILE_N=tile_n, WINDOW=window or 0,
