@@ -28,8 +28,8 @@ Sections:
               fastest beside them, the one-row GEMV and cuBLAS (--quick: Qwen3-8B's projections, 1 row)
   fp8-tiles   every candidate tile of the FP8 checkpoint GEMM (`fp8_gemm`) on Qwen3-8B's block-wise
               FP8 projections at 1/64/256/8192 rows from CUDA graphs: bits against the configured
-              tiles', the fastest beside them, and cuBLAS's bf16 product of the same shape
-              (--quick: 1 and 8192 rows)
+              tiles', the fastest beside them, cuBLAS's bf16 product of the same shape, and for a
+              weight whose K is split the fastest tiles unsplit (--quick: 1 and 8192 rows)
   prefill-tiles  every launch of the Triton prefill kernel (row blocks, warps, tiles in flight) on
               Gemma 3 4B's global and sliding-window attention at 32k from CUDA graphs: bits against
               the default launch's, the fastest beside it, torch's SDPA (--quick: 8k)
@@ -1219,6 +1219,7 @@ def section_fp8_tiles():
     import torch
     import torch.nn.functional as F
 
+    from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
     from kvtool.engine.kernels.tiles import sm_count
@@ -1237,10 +1238,18 @@ def section_fp8_tiles():
                                                               fp8_tile_candidates(rows, MIN_BM),
                                                               f"fp8-tiles N={n} K={k} M={rows}")
             bf16_ms = bench(lambda: F.linear(x, w_bf16))
+            extra = {}
+            if fp8_gemm.k_split(n, k) > 1:  # what the split of K costs or gains here, the same tiles unsplit
+                split = fp8_gemm.k_split
+                fp8_gemm.k_split = lambda n, k: 1
+                try:
+                    extra["unsplit_ms"] = round(bench(lambda: fp8_mm(x, w, best)), 4)
+                finally:
+                    fp8_gemm.k_split = split
             record("fp8-tiles", f"FP8 GEMM 8b N={n} K={k}, {rows} rows", 2 * rows * n * k / best_ms / 1e9, "TFLOP/s",
                    None, n=n, k=k, rows=rows, ms=round(best_ms, 4), best=list(best), default=list(default),
                    default_ms=round(default_ms, 4), differing_bits=[list(c) for c in differ],
-                   bf16_cublas_ms=round(bf16_ms, 4), of_bf16_time=round(best_ms / bf16_ms, 3))
+                   bf16_cublas_ms=round(bf16_ms, 4), of_bf16_time=round(best_ms / bf16_ms, 3), **extra)
 
 
 # Gemma 3 4B's attention (query heads, KV heads, head size, local layers' window) at a 32k prompt.
