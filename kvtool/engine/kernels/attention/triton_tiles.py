@@ -7,9 +7,9 @@ online softmax from scratch and writes its (output, log-sum-exp) to its own slot
 kernel merges a sequence's tiles one after another in tile order. The number of programs per
 sequence still follows the batch (to fill the GPU), but it only decides which program computes
 which tiles, never what a tile computes: a row's bits depend on its context alone. With one
-program per sequence (a large batch), each program runs all its sequence's tiles and folds each
-into the merge itself, with the merge kernel's arithmetic (`_fold_tile`): no partials are written
-and no second kernel runs, and the rows keep their bits.
+program per sequence (a large batch) and heads of up to 128, each program runs all its sequence's
+tiles and folds each into the merge itself, with the merge kernel's arithmetic (`_fold_tile`): no
+partials are written and no second kernel runs, and the rows keep their bits.
 
 With a window W a row reads its last W keys, in tiles of WINDOW_TILE tokens (finer than TILE: a
 window holds few tiles, and a batch of one row spreads them over its programs): the tiles from
@@ -218,8 +218,9 @@ def paged_decode_tiles(
         num_tiles = b * per_window
         if num_programs > 1:
             num_programs = min(per_window, 2 * num_programs)
-    # One program per sequence merges its own tiles: no partials to write, no merge kernel.
-    merge = num_programs == 1
+    # One program per sequence merges its own tiles: no partials to write, no merge kernel. Not for
+    # heads past 128, whose two warps hold no second [GROUP_PAD, D] state (the bits are the same).
+    merge = num_programs == 1 and d <= 128
     slots = 1 if merge else max(1, num_tiles)
     mid_o = torch.empty((slots, hq, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((slots, hq), dtype=torch.float32, device=q.device)
