@@ -17,15 +17,16 @@ Every output element is one float32 sum over the groups in K order, each group's
 alone and scaled before it is added: nothing depends on the tile shape or on the rows beside
 a row, so one kernel serves every row count (a decode step, a prefill, a full hit's last rows)
 with the same bits. That holds for the warpgroup MMA of row tiles of MIN_BM rows and more; the
-mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is smaller.
+mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is smaller. The tensor
+cores read half the weight bytes of bf16 and run FP8 at twice bf16's rate, so both decode
+(bandwidth-bound) and prefill (compute-bound) gain.
 
 A weight whose column tiles would give a decode step a program or so per SM (`k_split`: Qwen3-8B's
 q/k/v, o_proj and down_proj) has its K split into a fixed number of parts by its shape alone:
 each part's groups are summed in K order as above, and the parts' sums are added in part order,
 at every row count. Up to SPLIT_PARALLEL_ROWS rows the parts run in programs of their own (float32
 partials; the last program of a tile, counted by an atomic, adds them); more rows run them in one
-program, which adds each part's sum to the total as the part's last group is added. The tensor cores read half the weight bytes of bf16 and run FP8 at twice
-bf16's rate, so both decode (bandwidth-bound) and prefill (compute-bound) gain.
+program, which adds each part's sum to the total as the part's last group is added.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def config_for(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int, int, int]:
+def config_for(rows: int, n: int, num_sms: int, k: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns from k inputs; the bits
     are the same for every choice (BM at least MIN_BM), so it is speed alone. From `gpu-bench.py
     fp8-tiles` on an H100 (Qwen3-8B's block-wise projections, K split as `k_split` splits it):
@@ -157,7 +158,7 @@ def config_for(rows: int, n: int, num_sms: int, k: int = 0) -> tuple[int, int, i
     times, else 32; at 8192 rows 64-row tiles 128 wide, 256 wide for a long K (down_proj), and
     128 x 128 tiles over eight warps for a wide output (gate/up)."""
     if rows <= 64:
-        wide = triton.cdiv(n, 64) * k_split(n, k) * 2 >= 3 * num_sms if k else triton.cdiv(n, 64) >= num_sms
+        wide = triton.cdiv(n, 64) * k_split(n, k) * 2 >= 3 * num_sms
         return (64, 64, 4, 3) if wide else (64, 32, 4, 4)
     if rows <= 256:
         return 64, 128, 4, 4
