@@ -1261,11 +1261,13 @@ def section_prefill_tiles():
     """Every launch of the Triton prefill kernel (`triton_prefill.launch_candidates`: row blocks,
     warps, K / V tiles in flight) on Gemma 3 4B's attention, a causal 32k prompt, for its global
     layers and its sliding-window ones, each replayed from a CUDA graph: its bits against the
-    default launch's (they must be equal), the fastest beside the default, and torch's SDPA on the
-    global layer's shape (FLOPs: the causal half of QK^T and PV, or the window's keys)."""
+    default launch's (they must be equal), the fastest beside the default, the Gluon kernel the
+    layer runs on Hopper (`gluon_ms`), and torch's SDPA on the global layer's shape (FLOPs: the
+    causal half of QK^T and PV, or the window's keys)."""
     import torch
     import torch.nn.functional as F
 
+    from kvtool.engine.kernels.attention.prefill import prefill_attention, uses_hopper_kernel
     from kvtool.engine.kernels.attention.triton_prefill import (launch_candidates, launch_config,
                                                                 triton_prefill_attention)
 
@@ -1284,6 +1286,8 @@ def section_prefill_tiles():
             launch_config(d, n), [c for c in launch_candidates(d) if c != launch_config(d, n)],
             f"prefill-tiles {layer} D={d} S={n}")
         extra = {}
+        if uses_hopper_kernel(q):  # the kernel the layer runs on Hopper
+            extra["gluon_ms"] = round(bench(lambda: prefill_attention(q, k, v, cu, cu, n, d**-0.5, out, w)), 3)
         if w is None:
             qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, k, v))
             extra["sdpa_ms"] = round(bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,

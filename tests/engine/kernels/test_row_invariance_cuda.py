@@ -232,36 +232,52 @@ def test_prefill_launch_configs_give_the_same_bits(d, window, softcap):
         assert torch.equal(run(config), default), config
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_hopper_prefill_kernel_on_packed_sequences(d):
+def _attention_f64(q, k, v, window, softcap, scale):
+    """Bottom-right causal attention of one sequence in float64 (q [Tq, Hq, D], k/v [Tk, Hkv, D]),
+    each row over its last `window` keys when given, its scores soft-capped when given."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)[:, None]
+    keys = torch.arange(k.shape[0], device=q.device)[None, :]
+    seen = keys <= pos
+    if window is not None:
+        seen &= keys > pos - window
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~seen, float("-inf")).softmax(-1), vd)
+
+
+@pytest.mark.parametrize("d,window,softcap", [(64, None, None), (128, None, None), (256, None, None),
+                                              (128, 300, None), (256, 1024, None), (256, None, 50.0),
+                                              (256, 300, 30.0)])
+def test_hopper_prefill_kernel_on_packed_sequences(d, window, softcap):
     """The Gluon kernel that runs prefill rows on Hopper: close to float64 attention on every
-    packed sequence (lengths around its 64-row halves and 128-key tiles, q a slice of a fused
-    projection, a full hit's one row over 5000 keys), and each row's bits those of the same row
-    computed alone, with one consumer warpgroup (64 rows or fewer) or two."""
+    packed sequence (lengths around its 64-row halves and its key tiles, q a slice of a fused
+    projection, a full hit's one row over 5000 keys), with a sliding window and a soft cap as
+    Gemma's layers have them, and each row's bits those of the same row computed alone, with one
+    consumer warpgroup (64 rows or fewer) or two."""
     from kvtool.engine.kernels.attention import prefill as tp
 
     if not tp.uses_hopper_kernel(torch.empty((1, 1, d), dtype=torch.bfloat16, device=DEV)):
         pytest.skip("the Hopper kernel needs compute capability 9.0 and Triton 3.6")
-    hq, hkv = 32, 8
+    hq, hkv = (32, 8) if d < 256 else (8, 4)
     q_lens, k_lens = (300, 1, 65, 129, 64, 1000, 7, 2048), (300, 5000, 1000, 4096, 64, 3000, 7, 2048)
     g = torch.Generator(device=DEV).manual_seed(d)
     qkv = torch.randn((sum(q_lens), hq + 2 * hkv, d), generator=g, device=DEV).to(torch.bfloat16)
     q = qkv[:, :hq]
     k, v = (torch.randn((sum(k_lens), hkv, d), generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
     cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32, device=DEV) for lens in (q_lens, k_lens))
-    packed = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5)
+    packed = tp.prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), d**-0.5, window=window, softcap=softcap)
     for i, (n_q, n_k) in enumerate(zip(q_lens, k_lens)):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        ref = F.scaled_dot_product_attention(
-            *(x.double().transpose(0, 1)[None] for x in (q[rows], k[keys], v[keys])),
-            attn_mask=torch.ones((n_q, n_k), dtype=torch.bool, device=DEV).tril(n_k - n_q),
-            scale=d**-0.5, enable_gqa=True,
-        )[0].transpose(0, 1)
+        ref = _attention_f64(q[rows], k[keys], v[keys], window, softcap, d**-0.5)
         assert float((packed[rows].double() - ref).norm() / ref.norm()) < 1e-2, (n_q, n_k)
         for tail in sorted({1, min(64, n_q), n_q}):
             cu_tail = torch.tensor([0, tail], dtype=torch.int32, device=DEV)
             cu_keys = torch.tensor([0, n_k], dtype=torch.int32, device=DEV)
-            alone = tp.prefill_attention(q[rows][-tail:], k[keys], v[keys], cu_tail, cu_keys, tail, d**-0.5)
+            alone = tp.prefill_attention(q[rows][-tail:], k[keys], v[keys], cu_tail, cu_keys, tail, d**-0.5,
+                                         window=window, softcap=softcap)
             assert torch.equal(alone, packed[rows][-tail:]), (n_q, n_k, tail)
 
 

@@ -22,7 +22,7 @@ into zeros past the tensor): those keys are past every row's position, so they a
 exact zeros as any key past a row is. With descriptors the one row of a full hit over 32k keys
 takes about half the time it takes without on an H200 (the whole causal prefill about the same).
 
-On Hopper itself, for 16-bit heads of 64 or 128, `prefill.prefill_attention` runs
+On Hopper itself, for 16-bit heads of 64, 128 or 256, `prefill.prefill_attention` runs
 `hopper_prefill` instead: the same row contract in a warp-specialized Gluon kernel.
 
 A sliding-window layer (WINDOW > 0) masks the keys at or before each row's position - WINDOW in
