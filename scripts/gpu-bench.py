@@ -1214,14 +1214,16 @@ def section_fp8_tiles():
     """Every candidate tile of the FP8 checkpoint GEMM (`fp8_gemm.fp8_mm`) on Qwen3-8B's
     projections as a block-wise FP8 checkpoint (128 x 128 weight scales) at 1 to 8192 rows, each
     replayed from a CUDA graph: its bits against the configured tiles' (they must be equal), the
-    fastest beside the configured one, and cuBLAS's bf16 product of the same shape (the bf16
-    model's prefill GEMM)."""
+    fastest beside the configured one, cuBLAS's bf16 product of the same shape (the bf16 model's
+    prefill GEMM), and on Hopper from `fp8_gemm.HOPPER_MIN_ROWS` rows the warp-specialised kernel
+    `fp8_mm` runs there (`hopper_ms`, and whether its bits are the configured tiles')."""
     import torch
     import torch.nn.functional as F
 
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
+    from kvtool.engine.kernels.gluon import gluon_module
     from kvtool.engine.kernels.tiles import sm_count
     from kvtool.engine.models.quantization import WeightQuantization, quantize
 
@@ -1239,6 +1241,11 @@ def section_fp8_tiles():
                                                               f"fp8-tiles N={n} K={k} M={rows}")
             bf16_ms = bench(lambda: F.linear(x, w_bf16))
             extra = {}
+            hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
+            if rows >= fp8_gemm.HOPPER_MIN_ROWS and hopper is not None and hopper.usable(x, w):
+                # the warp-specialised kernel fp8_mm runs here on Hopper, and whether its bits are the tiles'
+                extra["hopper_ms"] = round(bench(lambda: fp8_mm(x, w)), 4)
+                extra["hopper_equal"] = torch.equal(fp8_mm(x, w), fp8_mm(x, w, default))
             if fp8_gemm.k_split(n, k) > 1:  # what the split of K costs or gains here, the same tiles unsplit
                 split = fp8_gemm.k_split
                 fp8_gemm.k_split = lambda n, k: 1

@@ -27,6 +27,10 @@ each part's groups are summed in K order as above, and the parts' sums are added
 at every row count. Up to SPLIT_PARALLEL_ROWS rows the parts run in programs of their own (float32
 partials; the last program of a tile, counted by an atomic, adds them); more rows run them in one
 program, which adds each part's sum to the total as the part's last group is added.
+
+On Hopper, products of HOPPER_MIN_ROWS rows and more (a prefill's) run `hopper_fp8_gemm` instead:
+the same arithmetic, so the same bits, in a warp-specialised Gluon kernel whose tensor cores do
+not wait while a group's product is scaled.
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
+from kvtool.engine.kernels.gluon import gluon_module
 from kvtool.engine.kernels.tiles import grouped_tile, sm_count, split_launch
+
+HOPPER_FP8_GEMM = "kvtool.engine.kernels.hopper_fp8_gemm"
 
 # Row counts that between them reach every tile configuration of `config_for` and both ways a
 # split K runs (the runner's warm-up compiles them before the first request).
@@ -174,6 +181,9 @@ SPLIT_PROGRAMS = 512
 SPLIT_MIN_PART = 1024
 # Products of up to this many rows run the parts of a split K in programs of their own.
 SPLIT_PARALLEL_ROWS = 64
+# From this many rows on Hopper the product runs `hopper_fp8_gemm`'s warp-specialised kernel (the
+# same bits; a prefill's rows, where the Triton kernel's tensor cores idle while it scales).
+HOPPER_MIN_ROWS = 256
 # Products of up to this many rows quantise their activations inside the product's programs (a
 # decode step's few rows: one launch instead of two per projection); more rows are quantised once
 # by `quantize_rows` first, rather than once per column tile. The same arithmetic either way.
@@ -203,9 +213,13 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
         raise ValueError(f"FP8 row tiles of {bm} rows round otherwise than those of {MIN_BM} and more")
     fused = m <= FUSED_QUANTIZE_ROWS
     q, q_scale = (x, x) if fused else quantize_rows(x)  # fused: the kernel quantises x itself
+    split = k_split(n, k)
+    if m >= HOPPER_MIN_ROWS and config is None:
+        hopper = gluon_module(HOPPER_FP8_GEMM)
+        if hopper is not None and hopper.usable(x, w):
+            return hopper.hopper_fp8_mm(q, q_scale, w, split, c)
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = k_split(n, k)
     programs, parts, locks, parallel = split_launch(m, n, tiles, split, SPLIT_PARALLEL_ROWS, c)
     _fp8_gemm_kernel[(programs,)](
         q, q_scale, w.data, w.scale, c, parts, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),

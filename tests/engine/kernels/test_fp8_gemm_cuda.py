@@ -117,3 +117,33 @@ def test_stacked_weights_give_each_parts_product(shapes):
         n = w.data.shape[0]
         assert torch.equal(y[:, at : at + n], fp8_mm(x, w))
         at += n
+
+
+@pytest.mark.parametrize("n,k,strategy", [
+    (24576, 4096, "block"),  # Qwen3-8B's gate/up: K whole
+    (4096, 12288, "block"),  # its down_proj: K in 4 parts
+    (1000, 640, "channel"),  # ragged N, one scale per column
+    (6144, 4096, "tensor"),  # a split K with one scale per column
+])
+def test_the_hopper_kernel_gives_the_triton_kernels_bits(n, k, strategy):
+    """From HOPPER_MIN_ROWS rows on Hopper `fp8_mm` runs the warp-specialised Gluon kernel: its
+    rows are the Triton kernel's bits (the tiles of `config_for`, and another), ragged row counts
+    included, and a row's bits are the same at every row count above and below the switch."""
+    from kvtool.engine.kernels import fp8_gemm
+    from kvtool.engine.kernels.gluon import gluon_module
+    from kvtool.engine.kernels.tiles import sm_count
+
+    hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
+    w = weight(n, k, strategy, seed=n)
+    if hopper is None or not hopper.usable(torch.empty(1, k, device=DEV), w):
+        pytest.skip("the Hopper FP8 kernel needs compute capability 9.0 and Triton 3.6")
+    g = torch.Generator(device=DEV).manual_seed(k)
+    x = torch.randn(3000, k, device=DEV, generator=g).bfloat16()
+    full = fp8_gemm.fp8_mm(x, w)
+    for m in (fp8_gemm.HOPPER_MIN_ROWS, 300, 1000, 3000):
+        triton_tiles = fp8_gemm.config_for(m, n, sm_count(DEV), k)
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w, triton_tiles), full[:m]), m
+        assert torch.equal(fp8_gemm.fp8_mm(x[-m:], w), full[-m:]), m
+    assert torch.equal(fp8_gemm.fp8_mm(x[:300], w, (64, 64, 4, 4)), full[:300])
+    for m in (1, 65, fp8_gemm.HOPPER_MIN_ROWS - 1):
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
