@@ -30,9 +30,13 @@ Sections:
               FP8 projections at 1/64/256/8192 rows from CUDA graphs: bits against the configured
               tiles', the fastest beside them, cuBLAS's bf16 product of the same shape, and for a
               weight whose K is split the fastest tiles unsplit (--quick: 1 and 8192 rows)
+  fp8-kernels the FP8 GEMM's Gluon (Hopper) and Triton kernels on Qwen3-8B's block-wise projections
+              at 256/1024/8192 rows from CUDA graphs, their bits against each other, beside cuBLAS's
+              bf16 product and its block-scaled FP8 one (torch._scaled_mm)
   prefill-tiles  every launch of the Triton prefill kernel (row blocks, warps, tiles in flight) on
               Gemma 3 4B's global and sliding-window attention at 32k from CUDA graphs: bits against
-              the default launch's, the fastest beside it, torch's SDPA (--quick: 8k)
+              the default launch's, the fastest beside it, the Gluon kernel the layer runs on
+              Hopper, torch's SDPA (--quick: 8k)
   profile     where decode steps spend their GPU time, batch-invariant (the default) and not:
               torch.profiler over 64 decode steps of Qwen3-8B at batch 1 (2k context) and of
               Qwen3-0.6B at batch 256 (512-token prompts) and of Gemma 3 4B at batch 1, the kernels
@@ -1259,6 +1263,65 @@ def section_fp8_tiles():
                    bf16_cublas_ms=round(bf16_ms, 4), of_bf16_time=round(best_ms / bf16_ms, 3), **extra)
 
 
+FP8_KERNEL_ROWS = (256, 1024, 8192)
+
+
+def section_fp8_kernels():
+    """The FP8 checkpoint GEMM's two kernels on Qwen3-8B's block-wise FP8 projections at a decode
+    batch's, a chunk's and a prefill's row counts, each replayed from a CUDA graph with the
+    activations' quantisation: the warp-specialised Gluon kernel (Hopper), the Triton kernel with
+    `config_for`'s tiles, and whether their bits are equal; beside them cuBLAS's bf16 product and
+    cuBLAS's block-scaled FP8 product (`torch._scaled_mm`, 1 x 128 activation and 128 x 128 weight
+    scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
+    kvtool's)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvtool.engine.kernels import fp8_gemm
+    from kvtool.engine.kernels.fp8_weight import Fp8Weight
+    from kvtool.engine.kernels.gluon import gluon_module
+    from kvtool.engine.kernels.tiles import sm_count
+    from kvtool.engine.models.quantization import WeightQuantization, quantize
+
+    sms = sm_count(torch.device("cuda"))
+    hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
+    block = WeightQuantization(method="fp8", weight_strategy="block", weight_block_size=(128, 128))
+    for n, k in QWEN3_8B_PROJECTIONS:
+        dense = torch.randn(n, k, device="cuda") / k**0.5
+        w = Fp8Weight(*quantize(dense, block), 128, 128)
+        w_bf16 = dense.bfloat16()
+        for rows in FP8_KERNEL_ROWS:
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            tiles = fp8_gemm.config_for(rows, n, sms, k)
+            ours = fp8_gemm.fp8_mm(x, w, tiles)
+            extra = {"triton_ms": round(bench(lambda: fp8_gemm.fp8_mm(x, w, tiles)), 4)}
+            if hopper is not None and hopper.usable(x, w):
+                out = torch.empty_like(ours)
+                split = fp8_gemm.k_split(n, k)
+
+                def gluon():
+                    q, q_scale = fp8_gemm.quantize_rows(x)
+                    return hopper.hopper_fp8_mm(q, q_scale, w, split, out)
+
+                extra["gluon_equal"] = torch.equal(gluon(), ours)
+                extra["gluon_ms"] = round(bench(gluon), 4)
+            extra["bf16_cublas_ms"] = round(bench(lambda: F.linear(x, w_bf16)), 4)
+            q, q_scale = fp8_gemm.quantize_rows(x)
+            a_scale = q_scale.t().contiguous().t()  # cuBLAS takes the activation scales column-major
+
+            def cublas_fp8():
+                return torch._scaled_mm(q, w.data.t(), scale_a=a_scale, scale_b=w.scale.t(), out_dtype=torch.bfloat16)
+
+            try:
+                extra["cublas_fp8_equal"] = round((cublas_fp8() == ours).float().mean().item(), 6)
+                extra["cublas_fp8_ms"] = round(bench(cublas_fp8), 4)
+            except RuntimeError as e:  # a torch or cuBLAS without block-scaled FP8
+                print(f"# fp8-kernels N={n} K={k}: cuBLAS block-scaled FP8: {str(e)[:160]}", flush=True)
+            ms = extra.get("gluon_ms", extra["triton_ms"])
+            record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, {rows} rows", 2 * rows * n * k / ms / 1e9, "TFLOP/s",
+                   None, n=n, k=k, rows=rows, split=fp8_gemm.k_split(n, k), tiles=list(tiles), **extra)
+
+
 # Gemma 3 4B's attention (query heads, KV heads, head size, local layers' window) at a 32k prompt.
 GEMMA3_4B_ATTENTION = (8, 4, 256, 1024)
 PREFILL_TILE_LENGTH = 32768
@@ -1422,7 +1485,7 @@ SECTIONS = {
     "env": section_env, "kernels": section_kernels, "prefill": section_prefill, "hit": section_hit,
     "hit-layers": section_hit_layers, "decode": section_decode, "throughput": section_throughput, "lm": section_lm,
     "models": section_models, "profile": section_profile, "tiles": section_tiles, "fp8-tiles": section_fp8_tiles,
-    "prefill-tiles": section_prefill_tiles,
+    "prefill-tiles": section_prefill_tiles, "fp8-kernels": section_fp8_kernels,
 }
 
 

@@ -182,8 +182,10 @@ SPLIT_MIN_PART = 1024
 # Products of up to this many rows run the parts of a split K in programs of their own.
 SPLIT_PARALLEL_ROWS = 64
 # From this many rows on Hopper the product runs `hopper_fp8_gemm`'s warp-specialised kernel (the
-# same bits; a prefill's rows, where the Triton kernel's tensor cores idle while it scales).
-HOPPER_MIN_ROWS = 256
+# same bits). On an H100 (2026-12-07), Qwen3-8B's four block-wise projections took it 0.69 ms
+# together at 1024 rows against the Triton kernel's 0.73, and 5.15 against 5.72 at 8192; at 256
+# rows 0.25 against 0.23 (what `gpu-bench.py fp8-kernels` times).
+HOPPER_MIN_ROWS = 1024
 # Products of up to this many rows quantise their activations inside the product's programs (a
 # decode step's few rows: one launch instead of two per projection); more rows are quantised once
 # by `quantize_rows` first, rather than once per column tile. The same arithmetic either way.
