@@ -1264,6 +1264,38 @@ def section_fp8_tiles():
 
 
 FP8_KERNEL_ROWS = (256, 1024, 8192)
+def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out) -> dict:
+    """Which arithmetic cuBLAS's block-scaled FP8 product folds each K group with: every group's
+    product taken from cuBLAS's tensor-wise FP8 product of that group alone (unit scales, float32
+    out: the tensor cores' own sum of the group), folded in K order by each candidate below, and
+    the share of the rounded results equal to cuBLAS's block-scaled output and to kvtool's. A
+    candidate equal to cuBLAS everywhere names the arithmetic kvtool's kernels would need for their
+    rows to be cuBLAS's bits."""
+    import torch
+
+    # Candidate folds of a group's product p into the sum (float32 torch ops, each rounded):
+    # kvtool's order, the scales multiplied first, and addcmul's.
+    promotions = {
+        "(p*sa)*sw+acc": lambda acc, p, sa, sw: acc + (p * sa) * sw,
+        "p*(sa*sw)+acc": lambda acc, p, sa, sw: acc + p * (sa * sw),
+        "addcmul(acc,p,sa*sw)": lambda acc, p, sa, sw: torch.addcmul(acc, p, sa * sw),
+    }
+    one = torch.ones((), device=q.device)
+    k = q.shape[1]
+    w_cols = w.scale.repeat_interleave(w.scale_rows, 0)[: w.data.shape[0]]  # [N, K groups]
+    sums = {name: torch.zeros((q.shape[0], w.data.shape[0]), device=q.device) for name in promotions}
+    for g in range(k // 128):
+        cols = slice(g * 128, (g + 1) * 128)
+        p = torch._scaled_mm(q[:, cols], w.data[:, cols].t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        sa, sw = q_scale[:, g : g + 1], w_cols[:, g * 128 // w.scale_cols][None, :]
+        for name, fold in promotions.items():
+            sums[name] = fold(sums[name], p, sa, sw)
+    out = {}
+    for name, acc in sums.items():
+        rounded = acc.to(cublas_out.dtype)
+        out[name] = {"cublas": round((rounded == cublas_out).float().mean().item(), 6),
+                     "kvtool": round((rounded == kvtool_out).float().mean().item(), 6)}
+    return out
 
 
 def section_fp8_kernels():
@@ -1273,7 +1305,8 @@ def section_fp8_kernels():
     `config_for`'s tiles, and whether their bits are equal; beside them cuBLAS's bf16 product and
     cuBLAS's block-scaled FP8 product (`torch._scaled_mm`, 1 x 128 activation and 128 x 128 weight
     scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
-    kvtool's)."""
+    kvtool's), and for the unsplit weight at 1024 rows which arithmetic cuBLAS folds each K group's
+    product with (`fp8_promotion`)."""
     import torch
     import torch.nn.functional as F
 
@@ -1315,6 +1348,8 @@ def section_fp8_kernels():
             try:
                 extra["cublas_fp8_equal"] = round((cublas_fp8() == ours).float().mean().item(), 6)
                 extra["cublas_fp8_ms"] = round(bench(cublas_fp8), 4)
+                if rows == 1024 and fp8_gemm.k_split(n, k) == 1:
+                    extra["promotions"] = fp8_promotion(q, q_scale, w, ours, cublas_fp8())
             except RuntimeError as e:  # a torch or cuBLAS without block-scaled FP8
                 print(f"# fp8-kernels N={n} K={k}: cuBLAS block-scaled FP8: {str(e)[:160]}", flush=True)
             ms = extra.get("gluon_ms", extra["triton_ms"])
