@@ -1264,6 +1264,8 @@ def section_fp8_tiles():
 
 
 FP8_KERNEL_ROWS = (256, 1024, 8192)
+# K groups in flight for the Gluon kernel at the most rows (32 KiB of shared memory each).
+FP8_KERNEL_STAGES = (2, 3, 4, 5, 6)
 def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out) -> dict:
     """Which arithmetic cuBLAS's block-scaled FP8 product folds each K group with: every group's
     product taken from cuBLAS's tensor-wise FP8 product of that group alone (unit scales, float32
@@ -1306,7 +1308,8 @@ def section_fp8_kernels():
     cuBLAS's block-scaled FP8 product (`torch._scaled_mm`, 1 x 128 activation and 128 x 128 weight
     scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
     kvtool's), and for the unsplit weight at 1024 rows which arithmetic cuBLAS folds each K group's
-    product with (`fp8_promotion`)."""
+    product with (`fp8_promotion`). At the most rows the Gluon kernel is also timed with 2 to 6 K
+    groups in flight (`gluon_stages_ms`; a setting whose bits differ says so)."""
     import torch
     import torch.nn.functional as F
 
@@ -1338,6 +1341,18 @@ def section_fp8_kernels():
 
                 extra["gluon_equal"] = torch.equal(gluon(), ours)
                 extra["gluon_ms"] = round(bench(gluon), 4)
+                if rows == FP8_KERNEL_ROWS[-1]:  # the K groups in flight: the schedule only, never the bits
+                    shipped, stages_ms = hopper.STAGES, {}
+                    try:
+                        for stages in FP8_KERNEL_STAGES:
+                            hopper.STAGES = stages
+                            if torch.equal(gluon(), ours):
+                                stages_ms[stages] = round(bench(gluon), 4)
+                            else:
+                                stages_ms[stages] = "bits differ"
+                    finally:
+                        hopper.STAGES = shipped
+                    extra["gluon_stages_ms"] = stages_ms
             extra["bf16_cublas_ms"] = round(bench(lambda: F.linear(x, w_bf16)), 4)
             q, q_scale = fp8_gemm.quantize_rows(x)
             a_scale = q_scale.t().contiguous().t()  # cuBLAS takes the activation scales column-major
