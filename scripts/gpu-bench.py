@@ -1309,7 +1309,9 @@ def section_fp8_kernels():
     scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
     kvtool's), and for the unsplit weight at 1024 rows which arithmetic cuBLAS folds each K group's
     product with (`fp8_promotion`). At the most rows the Gluon kernel is also timed with 2 to 6 K
-    groups in flight (`gluon_stages_ms`; a setting whose bits differ says so)."""
+    groups in flight (`gluon_stages_ms`; a setting whose bits differ says so) and, for a K not
+    split, with its consumers issuing each group's product before folding the last
+    (`gluon_ahead_ms`, `gluon_ahead_equal`)."""
     import torch
     import torch.nn.functional as F
 
@@ -1353,6 +1355,13 @@ def section_fp8_kernels():
                     finally:
                         hopper.STAGES = shipped
                     extra["gluon_stages_ms"] = stages_ms
+                    if fp8_gemm.k_split(n, k) == 1:  # a consumer issuing the next group's product first
+                        hopper.ISSUE_AHEAD = True
+                        try:
+                            extra["gluon_ahead_equal"] = torch.equal(gluon(), ours)
+                            extra["gluon_ahead_ms"] = round(bench(gluon), 4)
+                        finally:
+                            hopper.ISSUE_AHEAD = False
             extra["bf16_cublas_ms"] = round(bench(lambda: F.linear(x, w_bf16)), 4)
             q, q_scale = fp8_gemm.quantize_rows(x)
             a_scale = q_scale.t().contiguous().t()  # cuBLAS takes the activation scales column-major

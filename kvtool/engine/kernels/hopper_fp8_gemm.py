@@ -30,6 +30,10 @@ CONSUMERS = 2
 BLOCK_N = 128
 STAGES = 4  # K groups in flight: 32 KiB of shared memory each
 GROUP_M = 8  # row tiles that walk the column tiles together (`tiles.grouped_tile`)
+# Whether a consumer issues a K group's product before it folds the one before (a second product
+# in registers, so only for a K not split: a split K's total takes those registers). A schedule
+# knob, the same bits either way; `gpu-bench.py fp8-kernels` times both.
+ISSUE_AHEAD = False
 MAX_REGISTERS = 168  # per thread at launch; the partitions then take 24 (producer) and 240 (consumers)
 _SUB_M = gl.constexpr(SUB_M)  # the same, for the kernels
 
@@ -71,6 +75,26 @@ def _produce(descs, bufs, bars, scalars, ptrs):
 
 
 @gluon.jit
+def _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK: gl.constexpr, BLOCK_W: gl.constexpr):
+    """K group i's activation scales (one per row) and, with block scales, its weight scale."""
+    a_s = gl.load(as_p + i, mask=m_ok, other=0.0)
+    w_s = 1.0
+    if BLOCK_W:
+        w_s = gl.load(w_row + (i * BK // scale_cols) * stride_sk)
+    return a_s, w_s
+
+
+@gluon.jit
+def _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W: gl.constexpr):
+    """A group's product into the part's sum: `acc += dot * s_a * s_w`, the Triton kernel's expression."""
+    if BLOCK_W:
+        acc += prod * a_s[:, None] * w_s
+    else:
+        acc += prod * a_s[:, None] * w_cols[None, :]
+    return acc
+
+
+@gluon.jit
 def _consume(bufs, bars, scalars, ptrs, half):
     """One consumer warpgroup: rows half * 64 .. + 63 of the tile, every group of K in order."""
     a_bufs, w_bufs, flags = bufs
@@ -79,6 +103,7 @@ def _consume(bufs, bars, scalars, ptrs, half):
     as_ptr, s_ptr, c_ptr, stride_as, stride_sn, stride_sk, stride_c, scale_rows, scale_cols = ptrs
     BLOCK_W: gl.constexpr = flags.type.shape[0] == 2
     SPLIT: gl.constexpr = flags.type.shape[1] == 2
+    AHEAD: gl.constexpr = flags.type.shape[2] == 2
     NUM_STAGES: gl.constexpr = w_bufs.type.shape[0]
     NUM_CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -95,33 +120,51 @@ def _consume(bufs, bars, scalars, ptrs, half):
     # Block scales: one per K group for the whole tile (its columns lie in one block row); else
     # one per column for the whole of K, loaded once.
     w_row = s_ptr + (pn * BN // scale_rows) * stride_sn
+    w_cols = gl.full((BN, ), 1.0, gl.float32, layout=cols_layout)  # stays unused with block scales
     if not BLOCK_W:
         w_cols = gl.load(s_ptr + (rn // scale_rows) * stride_sn, mask=n_ok, other=0.0)
     acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-    if SPLIT:
-        total = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
     prod = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-    for i in range(K // BK):
-        slot = i % NUM_STAGES
-        k0 = i * BK
-        a_s = gl.load(as_p + i, mask=m_ok, other=0.0)
-        if BLOCK_W:
-            w_s = gl.load(w_row + (k0 // scale_cols) * stride_sk)
-        mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-        prod = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), prod,
-                             use_acc=False, is_async=True)
+    groups = K // BK
+    if AHEAD:  # K whole (no split): group i + 1's product is issued before group i's is folded
+        nxt = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
+        a_s, w_s = _group_scales(as_p, w_row, m_ok, 0, scale_cols, stride_sk, BK, BLOCK_W)
+        mbarrier.wait(ready.index(0), 0)
+        prod = warpgroup_mma(a_bufs.index(half), w_bufs.index(0).permute((1, 0)), prod, use_acc=False,
+                             is_async=True)
+        for i in range(1, groups):
+            slot = i % NUM_STAGES
+            a_next, w_next = _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK, BLOCK_W)
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            nxt = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), nxt,
+                                use_acc=False, is_async=True)
+            prod = warpgroup_mma_wait(1, deps=(prod, ))  # group i - 1's product is done
+            mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
+            acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
+            prod, nxt = nxt, prod
+            a_s, w_s = a_next, w_next
         prod = warpgroup_mma_wait(0, deps=(prod, ))
-        mbarrier.arrive(empty.index(slot), count=1)
-        if BLOCK_W:
-            acc += prod * a_s[:, None] * w_s
-        else:
-            acc += prod * a_s[:, None] * w_cols[None, :]
+        mbarrier.arrive(empty.index((groups - 1) % NUM_STAGES), count=1)
+        acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
+    else:
         if SPLIT:
-            if (k0 + BK) % KP == 0:  # a part's last group: its sum joins the total
-                total = total + acc
-                acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-    if SPLIT:
-        acc = total
+            total = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
+        for i in range(groups):
+            slot = i % NUM_STAGES
+            k0 = i * BK
+            a_s, w_s = _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK, BLOCK_W)
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            prod = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), prod,
+                                 use_acc=False, is_async=True)
+            prod = warpgroup_mma_wait(0, deps=(prod, ))
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
+            if SPLIT:
+                if (k0 + BK) % KP == 0:  # a part's last group: its sum joins the total
+                    total = total + acc
+                    acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
+        if SPLIT:
+            acc = total
     c_p = c_ptr + rm[:, None].to(gl.int64) * stride_c + rn[None, :]
     gl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -134,7 +177,7 @@ def _second_consumer(descs, bufs, bars, scalars, ptrs):
 @gluon.jit
 def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, KP, stride_as, stride_sn, stride_sk, stride_c,
                      scale_rows, scale_cols, NUM_STAGES: gl.constexpr, GROUP_TILES: gl.constexpr,
-                     BLOCK_W: gl.constexpr, SPLIT: gl.constexpr):
+                     BLOCK_W: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0] * 2
     BN: gl.constexpr = w_desc.block_type.shape[0]
     # Grouped tile order (`tiles.grouped_tile`): GROUP_TILES row tiles walk the column tiles together.
@@ -154,10 +197,11 @@ def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, KP, stride_a
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
-    # The partitions' arguments arrive as runtime values, so whether the weight has block scales
-    # and a split K travels in this (unused) buffer's shape: 2 rows for blocks, 2 columns for a split.
-    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 2 if SPLIT else 1],
-                                      gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    # The partitions' arguments arrive as runtime values, so whether the weight has block scales, a
+    # split K and the consumers issue ahead travels in this (unused) buffer's shape, 2 along the
+    # first, second or third dimension for each.
+    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 2 if SPLIT else 1, 2 if AHEAD else 1],
+                                      gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     bufs = (a_bufs, w_bufs, flags)
     bars = (ready, empty)
     scalars = (pm, pn, M, N, K, KP)
@@ -183,6 +227,6 @@ def hopper_fp8_mm(q: torch.Tensor, q_scale: torch.Tensor, w: Fp8Weight, split: i
     _fp8_gemm_kernel[grid](
         _descriptor(q, SUB_M), _descriptor(w.data, BLOCK_N), q_scale, w.scale, out, m, n, k, k // split,
         q_scale.stride(0), w.scale.stride(0), stride_sk, out.stride(0), w.scale_rows, w.scale_cols,
-        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), SPLIT=split > 1, num_warps=4,
-        maxnreg=MAX_REGISTERS)
+        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), SPLIT=split > 1,
+        AHEAD=ISSUE_AHEAD and split == 1, num_warps=4, maxnreg=MAX_REGISTERS)
     return out

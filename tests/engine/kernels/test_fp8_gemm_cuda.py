@@ -149,17 +149,21 @@ def test_the_hopper_kernel_gives_the_triton_kernels_bits(n, k, strategy):
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
 
 
-def test_the_hopper_kernels_stages_move_work_in_time_never_its_bits(monkeypatch):
-    """The Gluon FP8 kernel's K groups in flight (its one schedule knob) give the shipped bits."""
+@pytest.mark.parametrize("n,k", [(2048, 4096), (16384, 1024)])  # K in 4 parts; K whole
+def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypatch, n, k):
+    """The Gluon FP8 kernel's schedule knobs (K groups in flight; issuing a group's product before
+    folding the last, for a K not split) give the shipped bits."""
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
 
     hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
-    w = weight(2048, 4096, "block", seed=3)
-    if hopper is None or not hopper.usable(torch.empty(1, 4096, device=DEV), w):
+    w = weight(n, k, "block", seed=3)
+    if hopper is None or not hopper.usable(torch.empty(1, k, device=DEV), w):
         pytest.skip("the Hopper FP8 kernel needs compute capability 9.0 and Triton 3.6")
-    x = torch.randn(fp8_gemm.HOPPER_MIN_ROWS + 100, 4096, device=DEV).bfloat16()
+    x = torch.randn(fp8_gemm.HOPPER_MIN_ROWS + 100, k, device=DEV).bfloat16()
     shipped = fp8_gemm.fp8_mm(x, w)
     for stages in (2, 3, 6):
-        monkeypatch.setattr(hopper, "STAGES", stages)
-        assert torch.equal(fp8_gemm.fp8_mm(x, w), shipped), stages
+        for ahead in (False, True):
+            monkeypatch.setattr(hopper, "STAGES", stages)
+            monkeypatch.setattr(hopper, "ISSUE_AHEAD", ahead)
+            assert torch.equal(fp8_gemm.fp8_mm(x, w), shipped), (stages, ahead)
