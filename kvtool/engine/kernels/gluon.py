@@ -8,6 +8,7 @@ import functools
 import importlib
 from types import ModuleType
 
+import torch
 import triton
 
 GLUON_TRITON = "3.6."
@@ -23,3 +24,17 @@ def gluon_module(name: str) -> ModuleType | None:
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+_hopper_devices: dict[int, bool] = {}
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0), the one the Gluon kernels are
+    written for; asked of the driver once per device (the kernels' callers ask every product)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper_devices:
+        _hopper_devices[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _hopper_devices[index]

@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
+from kvtool.engine.kernels.gluon import is_hopper
 
 SUB_M = 64  # rows of one consumer warpgroup: the wgmma M of its 4 warps
 CONSUMERS = 2
@@ -44,8 +45,7 @@ def usable(x: torch.Tensor, w: Fp8Weight) -> bool:
     (blocks BLOCK_N high or more) or one per column for the whole of K."""
     k = w.data.shape[1]
     described = w.data.stride(1) == 1 and w.data.stride(0) % 16 == 0 and w.data.data_ptr() % 16 == 0
-    return (x.is_cuda and k % GROUP == 0 and described and (_block_scales(w) or w.scale.shape[1] == 1)
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    return k % GROUP == 0 and described and (_block_scales(w) or w.scale.shape[1] == 1) and is_hopper(x.device)
 
 
 def _block_scales(w: Fp8Weight) -> bool:

@@ -42,6 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kvtool.engine.kernels.attention.triton_ops import qk_factor
 from kvtool.engine.kernels.attention.triton_prefill import key_tile, rows_view
+from kvtool.engine.kernels.gluon import is_hopper
 
 SUB_M = 64  # query rows of one consumer warpgroup: the wgmma M of its 4 warps
 _SUB_M = gl.constexpr(SUB_M)  # the same, for the kernels
@@ -54,18 +55,7 @@ MAX_REGISTERS = 168  # per thread at launch; the partitions then take 24 (produc
 def usable(q: torch.Tensor) -> bool:
     """Whether this kernel runs a model's prefill rows: Hopper, 16-bit, head size 64, 128 or 256.
     Model-wide facts only, so every prefill row of a layer takes the same kernel."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in HEAD_DIMS
-            and _capability(q.device) == (9, 0))
-
-
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = torch.cuda.get_device_capability(index)
-    return _capabilities[index]
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in HEAD_DIMS and is_hopper(q.device)
 
 
 @gluon.jit
