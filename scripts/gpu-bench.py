@@ -1266,21 +1266,29 @@ def section_fp8_tiles():
 FP8_KERNEL_ROWS = (256, 1024, 8192)
 # K groups in flight for the Gluon kernel at the most rows (32 KiB of shared memory each).
 FP8_KERNEL_STAGES = (2, 3, 4, 5, 6)
-def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out) -> dict:
+def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out, cublas_f32=None) -> dict:
     """Which arithmetic cuBLAS's block-scaled FP8 product folds each K group with: every group's
     product taken from cuBLAS's tensor-wise FP8 product of that group alone (unit scales, float32
     out: the tensor cores' own sum of the group), folded in K order by each candidate below, and
-    the share of the rounded results equal to cuBLAS's block-scaled output and to kvtool's. A
-    candidate equal to cuBLAS everywhere names the arithmetic kvtool's kernels would need for their
-    rows to be cuBLAS's bits."""
+    the share of the rounded results equal to cuBLAS's block-scaled output and to kvtool's (and,
+    where cuBLAS gives its block-scaled product in float32, the share of the unrounded sums equal
+    to it: `cublas_f32`). A candidate equal to cuBLAS everywhere names the arithmetic kvtool's
+    kernels would need for their rows to be cuBLAS's bits."""
     import torch
 
-    # Candidate folds of a group's product p into the sum (float32 torch ops, each rounded):
-    # kvtool's order, the scales multiplied first, and addcmul's.
+    def fma(x, y, z):  # one rounding of x * y + z (the float32 product is exact in float64)
+        return (x.double() * y.double() + z.double()).float()
+
+    # Candidate folds of a group's product p into the sum (each operation rounded to float32, an
+    # fma once): kvtool's expression with and without a fused last step, the scales multiplied
+    # first, and the weight's scale applied first.
     promotions = {
         "(p*sa)*sw+acc": lambda acc, p, sa, sw: acc + (p * sa) * sw,
+        "fma(p*sa,sw,acc)": lambda acc, p, sa, sw: fma(p * sa, sw, acc),
         "p*(sa*sw)+acc": lambda acc, p, sa, sw: acc + p * (sa * sw),
-        "addcmul(acc,p,sa*sw)": lambda acc, p, sa, sw: torch.addcmul(acc, p, sa * sw),
+        "fma(p,sa*sw,acc)": lambda acc, p, sa, sw: fma(p, sa * sw, acc),
+        "(p*sw)*sa+acc": lambda acc, p, sa, sw: acc + (p * sw) * sa,
+        "fma(p*sw,sa,acc)": lambda acc, p, sa, sw: fma(p * sw, sa, acc),
     }
     one = torch.ones((), device=q.device)
     k = q.shape[1]
@@ -1297,6 +1305,8 @@ def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out) -> dict:
         rounded = acc.to(cublas_out.dtype)
         out[name] = {"cublas": round((rounded == cublas_out).float().mean().item(), 6),
                      "kvtool": round((rounded == kvtool_out).float().mean().item(), 6)}
+        if cublas_f32 is not None:
+            out[name]["cublas_f32"] = round((acc == cublas_f32).float().mean().item(), 6)
     return out
 
 
@@ -1373,7 +1383,12 @@ def section_fp8_kernels():
                 extra["cublas_fp8_equal"] = round((cublas_fp8() == ours).float().mean().item(), 6)
                 extra["cublas_fp8_ms"] = round(bench(cublas_fp8), 4)
                 if rows == 1024 and fp8_gemm.k_split(n, k) == 1:
-                    extra["promotions"] = fp8_promotion(q, q_scale, w, ours, cublas_fp8())
+                    try:  # the block-scaled product unrounded, where cuBLAS gives it in float32
+                        f32 = torch._scaled_mm(q, w.data.t(), scale_a=a_scale, scale_b=w.scale.t(),
+                                               out_dtype=torch.float32)
+                    except RuntimeError:
+                        f32 = None
+                    extra["promotions"] = fp8_promotion(q, q_scale, w, ours, cublas_fp8(), f32)
             except RuntimeError as e:  # a torch or cuBLAS without block-scaled FP8
                 print(f"# fp8-kernels N={n} K={k}: cuBLAS block-scaled FP8: {str(e)[:160]}", flush=True)
             ms = extra.get("gluon_ms", extra["triton_ms"])
