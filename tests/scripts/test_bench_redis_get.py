@@ -52,20 +52,21 @@ def test_every_path_is_measured_beside_the_socket_reads_and_lmcaches_connectors(
 @pytest.mark.slow
 def test_a_machine_without_the_peer_environment_measures_lm_against_the_in_memory_server(tmp_path):
     """The GPU machine's form (`--no-lmcache --lm-server memory`): every kvtool path and both socket
-    baselines, LMCache's connectors left out, nothing left running."""
+    baselines at the connection counts asked for, LMCache's connectors left out, nothing left running."""
     out = tmp_path / "rows.jsonl"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "bench-redis-get"), "--layers", "2", "--kv-heads", "1",
          "--head-dim", "64", "--chunks", "2", "--repeats", "1", "--io-threads", "2", "--no-lmcache",
-         "--lm-server", "memory", "--stores", "lm,redis,resp", "--out", str(out)],
+         "--lm-server", "memory", "--stores", "lm,redis,resp", "--connections", "2,8", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
     )
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-4000:]
     assert session_members(proc.pid) == []
     by = {(r["measure"], r["store"], r["connections"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert {n for _, _, n in by} == {2, 8}
     for store in ("lm", "redis", "resp"):
-        for n in (1, 4):
+        for n in (2, 8):
             assert len(by[("get", store, n)]["runs_gb_s"]) == 1
-    assert ("socket", "lm server", 4) in by and ("socket", "redis-server", 4) in by
+    assert ("socket", "lm server", 8) in by and ("socket", "redis-server", 8) in by
     assert not any(measure == "lmcache" for measure, _, _ in by)
