@@ -7,7 +7,11 @@ releases (DeepSeek, Qwen) as vLLM and transformers' fine-grained FP8 compute it:
 
     for each K group of GROUP (128) columns, in K order:
         the activations' group is quantised per row: scale s_a = max(|x|, 1e-10) / 448, x / s_a in FP8
-        acc += dot(x_fp8, w_fp8) * s_a[row] * s_w[col, group]      (the dot on the tensor cores)
+        acc = fma(dot(x_fp8, w_fp8), s_a[row] * s_w[col, group], acc)   (the dot on the tensor cores)
+
+The scales are multiplied first and the product folded in with one rounding: the arithmetic of
+cuBLAS's block-scaled FP8 product (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), whose
+outputs this equals bit for bit on Hopper, so that products of many rows can run there.
 
 Weight scales are per block (`weight_block_size`, the block's K side a multiple of GROUP), per
 output channel, or per tensor (given as one scale per channel). Activations are always quantised
@@ -28,9 +32,11 @@ at every row count. Up to SPLIT_PARALLEL_ROWS rows the parts run in programs of 
 partials; the last program of a tile, counted by an atomic, adds them); more rows run them in one
 program, which adds each part's sum to the total as the part's last group is added.
 
-On Hopper, products of HOPPER_MIN_ROWS rows and more (a prefill's) run `hopper_fp8_gemm` instead:
-the same arithmetic, so the same bits, in a warp-specialised Gluon kernel whose tensor cores do
-not wait while a group's product is scaled.
+On Hopper, products of CUBLAS_MIN_ROWS rows and more (a prefill's) of a weight whose K is not split
+and whose scales are 128 x 128 blocks run on cuBLAS (`cublas_usable`); others of HOPPER_MIN_ROWS
+rows and more run `hopper_fp8_gemm`, the same arithmetic in a warp-specialised Gluon kernel whose
+tensor cores do not wait while a group's product is scaled. A split K's parts have no cuBLAS
+equivalent: cuBLAS sums the whole of K.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kvtool.engine.kernels.fp8_weight import GROUP, Fp8Weight
-from kvtool.engine.kernels.gluon import gluon_module
+from kvtool.engine.kernels.gluon import gluon_module, is_hopper
 from kvtool.engine.kernels.tiles import grouped_tile, sm_count, split_launch
 
 HOPPER_FP8_GEMM = "kvtool.engine.kernels.hopper_fp8_gemm"
@@ -116,7 +122,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
             a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
         w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+        acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])  # one FMA, as cuBLAS folds
         if SPLIT > 1 and not PARALLEL:
             # A part's last group: its sum joins the total and the next part starts from zero
             # (selects rather than a branch, so the loop stays one pipelined block).
@@ -186,6 +192,11 @@ SPLIT_PARALLEL_ROWS = 64
 # together at 1024 rows against the Triton kernel's 0.73, and 5.15 against 5.72 at 8192; at 256
 # rows 0.25 against 0.23 (what `gpu-bench.py fp8-kernels` times).
 HOPPER_MIN_ROWS = 1024
+# From this many rows on Hopper a weight that `cublas_usable` takes runs cuBLAS's block-scaled FP8
+# product, whose bits are the kernels' there (tests/engine/kernels/test_fp8_gemm_cuda.py checks it
+# on the GPU it runs on). Qwen3-8B's gate/up at 8192 rows on an H100: 1.44 ms against the Gluon
+# kernel's 2.31 (2026-12-07, `gpu-bench.py fp8-kernels`).
+CUBLAS_MIN_ROWS = 1024
 # Products of up to this many rows quantise their activations inside the product's programs (a
 # decode step's few rows: one launch instead of two per projection); more rows are quantised once
 # by `quantize_rows` first, rather than once per column tile. The same arithmetic either way.
@@ -199,6 +210,16 @@ def k_split(n: int, k: int) -> int:
     while parts > 1 and k % (GROUP * parts):
         parts -= 1
     return max(parts, 1)
+
+
+def cublas_usable(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether cuBLAS's block-scaled FP8 product gives this product's bits: a Hopper GPU (the one
+    its arithmetic was checked on), bf16 activations, and weight scales in 128 x 128 blocks over
+    whole blocks of N and K (an unsplit K is the caller's condition)."""
+    n, k = w.data.shape
+    return (x.dtype == torch.bfloat16 and w.scale_rows == GROUP and w.scale_cols == GROUP and n % GROUP == 0
+            and k % GROUP == 0 and w.scale.shape == (n // GROUP, k // GROUP) and w.scale.is_contiguous()
+            and w.data.is_contiguous() and is_hopper(x.device))
 
 
 def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -216,6 +237,10 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     fused = m <= FUSED_QUANTIZE_ROWS
     q, q_scale = (x, x) if fused else quantize_rows(x)  # fused: the kernel quantises x itself
     split = k_split(n, k)
+    if m >= CUBLAS_MIN_ROWS and config is None and split == 1 and cublas_usable(x, w):
+        # cuBLAS takes the activation scales column-major and the weight's as [K / 128, N / 128]
+        return torch._scaled_mm(q, w.data.t(), scale_a=q_scale.t().contiguous().t(), scale_b=w.scale.t(),
+                                out_dtype=x.dtype)
     if m >= HOPPER_MIN_ROWS and config is None:
         hopper = gluon_module(HOPPER_FP8_GEMM)
         if hopper is not None and hopper.usable(x, w):

@@ -3,8 +3,8 @@ two consumer warpgroups, so that one consumer scales a group's product while the
 the tensor cores.
 
 The arithmetic is `fp8_gemm`'s, element for element: each K group of 128 columns is one warpgroup
-MMA from zero, scaled by the row's activation scale and then the column's weight scale and added
-to the part's running sum (`acc += dot * s_a * s_w`, the expression the Triton kernel writes), and a
+MMA from zero, folded into the part's running sum with one rounding after the row's activation
+scale and the column's weight scale are multiplied (`acc = fma(dot, s_a * s_w, acc)`), and a
 split K's parts are added to the total in part order as each part's last group is added. So its
 rows are the Triton kernel's bits at every row count, and `fp8_mm` picks between the two for speed
 alone. What differs is the schedule: in the Triton kernel the warps that wait for a group's product
@@ -86,11 +86,12 @@ def _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK: gl.constexpr,
 
 @gluon.jit
 def _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W: gl.constexpr):
-    """A group's product into the part's sum: `acc += dot * s_a * s_w`, the Triton kernel's expression."""
+    """A group's product into the part's sum: `acc = fma(dot, s_a * s_w, acc)`, the Triton kernel's
+    arithmetic (and cuBLAS's)."""
     if BLOCK_W:
-        acc += prod * a_s[:, None] * w_s
+        acc += prod * (a_s[:, None] * w_s)
     else:
-        acc += prod * a_s[:, None] * w_cols[None, :]
+        acc += prod * (a_s[:, None] * w_cols[None, :])
     return acc
 
 

@@ -125,14 +125,16 @@ def test_stacked_weights_give_each_parts_product(shapes):
     (1000, 640, "channel"),  # ragged N, one scale per column
     (6144, 4096, "tensor"),  # a split K with one scale per column
 ])
-def test_the_hopper_kernel_gives_the_triton_kernels_bits(n, k, strategy):
-    """From HOPPER_MIN_ROWS rows on Hopper `fp8_mm` runs the warp-specialised Gluon kernel: its
-    rows are the Triton kernel's bits (the tiles of `config_for`, and another), ragged row counts
-    included, and a row's bits are the same at every row count above and below the switch."""
+def test_the_hopper_kernel_gives_the_triton_kernels_bits(monkeypatch, n, k, strategy):
+    """From HOPPER_MIN_ROWS rows on Hopper `fp8_mm` runs the warp-specialised Gluon kernel (cuBLAS
+    kept out here): its rows are the Triton kernel's bits (the tiles of `config_for`, and another),
+    ragged row counts included, and a row's bits are the same at every row count above and below
+    the switch."""
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
     from kvtool.engine.kernels.tiles import sm_count
 
+    monkeypatch.setattr(fp8_gemm, "CUBLAS_MIN_ROWS", 1 << 30)
     hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
     w = weight(n, k, strategy, seed=n)
     if hopper is None or not hopper.usable(torch.empty(1, k, device=DEV), w):
@@ -156,6 +158,7 @@ def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypat
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
 
+    monkeypatch.setattr(fp8_gemm, "CUBLAS_MIN_ROWS", 1 << 30)
     hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
     w = weight(n, k, "block", seed=3)
     if hopper is None or not hopper.usable(torch.empty(1, k, device=DEV), w):
@@ -167,3 +170,38 @@ def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypat
             monkeypatch.setattr(hopper, "STAGES", stages)
             monkeypatch.setattr(hopper, "ISSUE_AHEAD", ahead)
             assert torch.equal(fp8_gemm.fp8_mm(x, w), shipped), (stages, ahead)
+
+
+@pytest.mark.parametrize("n,k", [(24576, 4096), (16384, 1024), (6144, 1024), (3072, 1024)])  # K whole
+def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
+    """From CUBLAS_MIN_ROWS rows on Hopper a block-scaled weight whose K is not split runs cuBLAS's
+    block-scaled FP8 product (`torch._scaled_mm`): its rows are the Triton and the Gluon kernel's
+    bits at every row count from there, ragged ones included, and fewer rows give the same rows."""
+    from kvtool.engine.kernels import fp8_gemm
+    from kvtool.engine.kernels.gluon import gluon_module
+    from kvtool.engine.kernels.tiles import sm_count
+
+    w = weight(n, k, "block", seed=n + k)
+    assert fp8_gemm.k_split(n, k) == 1
+    if not fp8_gemm.cublas_usable(torch.empty(1, k, device=DEV, dtype=torch.bfloat16), w):
+        pytest.skip("cuBLAS's FP8 product is routed to on Hopper only")
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape[0]) or scaled_mm(*a, **kw))
+    g = torch.Generator(device=DEV).manual_seed(n)
+    x = torch.randn(8192, k, device=DEV, generator=g).bfloat16()
+    full = fp8_gemm.fp8_mm(x, w)
+    assert calls == [8192]
+    for m in (fp8_gemm.CUBLAS_MIN_ROWS, 1025, 1500, 2048, 4097, 8192):
+        triton_tiles = fp8_gemm.config_for(m, n, sm_count(DEV), k)
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w, triton_tiles), full[:m]), m
+        assert torch.equal(fp8_gemm.fp8_mm(x[-m:], w), full[-m:]), m
+    hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
+    if hopper is not None and hopper.usable(x, w):
+        q, q_scale = fp8_gemm.quantize_rows(x[:3000])
+        out = torch.empty(3000, n, device=DEV, dtype=torch.bfloat16)
+        assert torch.equal(hopper.hopper_fp8_mm(q, q_scale, w, 1, out), full[:3000])
+    calls.clear()
+    for m in (1, 65, fp8_gemm.CUBLAS_MIN_ROWS - 1):
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
+    assert calls == []
