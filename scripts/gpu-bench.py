@@ -1318,7 +1318,9 @@ def section_fp8_kernels():
     cuBLAS's block-scaled FP8 product (`torch._scaled_mm`, 1 x 128 activation and 128 x 128 weight
     scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
     kvtool's), and for the unsplit weight at 1024 rows which arithmetic cuBLAS folds each K group's
-    product with (`fp8_promotion`). At the most rows the Gluon kernel is also timed with 2 to 6 K
+    product with (`fp8_promotion`); `fp8_mm_ms`: what `fp8_mm` itself takes there (cuBLAS for an
+    unsplit weight from `fp8_gemm.CUBLAS_MIN_ROWS` rows). At one row, a decode step's product with
+    its activations quantised inside it and apart (`fused_ms`, `unfused_ms`). At the most rows the Gluon kernel is also timed with 2 to 6 K
     groups in flight (`gluon_stages_ms`; a setting whose bits differ says so) and, for a K not
     split, with its consumers issuing each group's product before folding the last
     (`gluon_ahead_ms`, `gluon_ahead_equal`)."""
@@ -1338,11 +1340,24 @@ def section_fp8_kernels():
         dense = torch.randn(n, k, device="cuda") / k**0.5
         w = Fp8Weight(*quantize(dense, block), 128, 128)
         w_bf16 = dense.bfloat16()
+        one = torch.randn(1, k, device="cuda").bfloat16()  # a decode step's row: quantised in the product or apart
+        fused = fp8_gemm.fp8_mm(one, w)
+        decode = {"fused_ms": round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)}
+        shipped_fused = fp8_gemm.FUSED_QUANTIZE_ROWS
+        fp8_gemm.FUSED_QUANTIZE_ROWS = 0
+        try:
+            decode["unfused_equal"] = torch.equal(fp8_gemm.fp8_mm(one, w), fused)
+            decode["unfused_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
+        finally:
+            fp8_gemm.FUSED_QUANTIZE_ROWS = shipped_fused
+        record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, 1 row", decode["fused_ms"] * 1e3, "us", None, n=n, k=k,
+               rows=1, split=fp8_gemm.k_split(n, k), **decode)
         for rows in FP8_KERNEL_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()
             tiles = fp8_gemm.config_for(rows, n, sms, k)
             ours = fp8_gemm.fp8_mm(x, w, tiles)
-            extra = {"triton_ms": round(bench(lambda: fp8_gemm.fp8_mm(x, w, tiles)), 4)}
+            extra = {"triton_ms": round(bench(lambda: fp8_gemm.fp8_mm(x, w, tiles)), 4),
+                     "fp8_mm_ms": round(bench(lambda: fp8_gemm.fp8_mm(x, w)), 4)}  # the kernel fp8_mm picks
             if hopper is not None and hopper.usable(x, w):
                 out = torch.empty_like(ours)
                 split = fp8_gemm.k_split(n, k)
