@@ -285,6 +285,9 @@ class ServeBench:
                 self._add_run(arm.name, "kvtool", load, records, _kvtool_sources(records, source))
         finally:
             runs.close()
+            # The engine's weights and pages must be unreferenced before the allocator can give
+            # them back: the next arm, or vLLM's process, sizes itself from what is free.
+            runs = None
             free_device_memory()
         self.arms.append(ArmSummary(name=arm.name, engine="kvtool", kv_transfer_config=arm.kv_transfer_config,
                                     hits_from=source))

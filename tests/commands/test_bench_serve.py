@@ -5,7 +5,9 @@ counters of the tier arms, output identity across arms, the figure, the vLLM arm
 skip, and the one-line refusals of bad input.
 """
 
+import gc
 import json
+import weakref
 
 import pytest
 from typer.testing import CliRunner
@@ -104,6 +106,31 @@ def test_every_kvtool_arm_serves_the_trace_with_hits_and_equal_outputs(chat_trac
         arrivals = {arm: [r["arrival_s"] for r in runs[(arm, load)]["requests"]] for arm in ("cpu", "lmcache")}
         assert arrivals["cpu"] == arrivals["lmcache"]
     assert "OK:" in result.stdout
+
+
+def test_each_arms_engine_is_gone_when_the_device_memory_is_returned(chat_trace, monkeypatch):
+    """Each kvtool arm's engine is unreferenced by the time its memory is handed back, so the
+    next arm and vLLM's process (which checks the free device memory at start) find it free."""
+    from kvtool.workloads import serve_bench
+
+    engines, alive_at_free = [], []
+    real_engine = serve_bench.LLMEngine
+
+    def tracked_engine(*args, **kwargs):
+        engine = real_engine(*args, **kwargs)
+        engines.append(weakref.ref(engine))
+        return engine
+
+    def free_device_memory():
+        gc.collect()
+        alive_at_free.append(sum(ref() is not None for ref in engines))
+
+    monkeypatch.setattr(serve_bench, "LLMEngine", tracked_engine)
+    monkeypatch.setattr(serve_bench, "free_device_memory", free_device_memory)
+    result = invoke("bench", "serve", str(chat_trace), *ENGINE, "--arms", "prefix-cache,cpu",
+                    "--request-rate", "inf", "--num-warmups", "0")
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert len(engines) == 2 and alive_at_free == [0, 0]
 
 
 def test_only_vllm_arms_on_a_cpu_machine_is_one_line_and_exit_2(chat_trace, run_kvtool):
