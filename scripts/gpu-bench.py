@@ -1247,10 +1247,11 @@ def section_fp8_tiles():
             extra = {}
             hopper = gluon_module(fp8_gemm.HOPPER_FP8_GEMM)
             if rows >= fp8_gemm.HOPPER_MIN_ROWS and hopper is not None and hopper.usable(x, w):
-                # the warp-specialised kernel fp8_mm runs here on Hopper, and whether its bits are the tiles'
+                # what fp8_mm runs here on Hopper (cuBLAS or the warp-specialised kernel), and whether
+                # its bits are the tiles'
                 extra["hopper_ms"] = round(bench(lambda: fp8_mm(x, w)), 4)
                 extra["hopper_equal"] = torch.equal(fp8_mm(x, w), fp8_mm(x, w, default))
-            if fp8_gemm.k_split(n, k) > 1:  # what the split of K costs or gains here, the same tiles unsplit
+            if fp8_gemm.k_split(n, k) > 1:  # what spreading K over parts costs or gains here, the same tiles
                 split = fp8_gemm.k_split
                 fp8_gemm.k_split = lambda n, k: 1
                 try:
@@ -1311,19 +1312,19 @@ def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out, cublas_f32=None) -> dic
 
 
 def section_fp8_kernels():
-    """The FP8 checkpoint GEMM's two kernels on Qwen3-8B's block-wise FP8 projections at a decode
-    batch's, a chunk's and a prefill's row counts, each replayed from a CUDA graph with the
-    activations' quantisation: the warp-specialised Gluon kernel (Hopper), the Triton kernel with
-    `config_for`'s tiles, and whether their bits are equal; beside them cuBLAS's bf16 product and
-    cuBLAS's block-scaled FP8 product (`torch._scaled_mm`, 1 x 128 activation and 128 x 128 weight
-    scales, the same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to
-    kvtool's), and for the unsplit weight at 1024 rows which arithmetic cuBLAS folds each K group's
-    product with (`fp8_promotion`); `fp8_mm_ms`: what `fp8_mm` itself takes there (cuBLAS for an
-    unsplit weight from `fp8_gemm.CUBLAS_MIN_ROWS` rows). At one row, a decode step's product with
-    its activations quantised inside it and apart (`fused_ms`, `unfused_ms`). At the most rows the Gluon kernel is also timed with 2 to 6 K
-    groups in flight (`gluon_stages_ms`; a setting whose bits differ says so) and, for a K not
-    split, with its consumers issuing each group's product before folding the last
-    (`gluon_ahead_ms`, `gluon_ahead_equal`)."""
+    """The FP8 checkpoint GEMM on Qwen3-8B's block-wise FP8 projections at a decode batch's, a
+    chunk's and a prefill's row counts, each replayed from a CUDA graph with the activations'
+    quantisation: what `fp8_mm` itself takes (`fp8_mm_ms`: cuBLAS's block-scaled product from
+    `fp8_gemm.CUBLAS_MIN_ROWS` rows on Hopper), the Triton kernel with `config_for`'s tiles, the
+    warp-specialised Gluon kernel (Hopper) and whether its bits are the Triton kernel's; beside them
+    cuBLAS's bf16 product and cuBLAS's block-scaled FP8 product alone (`torch._scaled_mm` on the
+    same quantised operands; `cublas_fp8_equal`: the share of its outputs equal to kvtool's), and
+    for gate/up at 1024 rows which arithmetic cuBLAS folds each K group's product with
+    (`fp8_promotion`). At one row, a decode step's product with its activations quantised inside it
+    and apart (`fused_ms`, `unfused_ms`; the same for a weight whose K is spread over parts, which
+    always quantises apart). At the most rows the Gluon kernel is also timed with 2 to 6 K groups in
+    flight (`gluon_stages_ms`; a setting whose bits differ says so) and with its consumers issuing
+    each group's product before folding the last (`gluon_ahead_ms`, `gluon_ahead_equal`)."""
     import torch
     import torch.nn.functional as F
 
@@ -1360,11 +1361,10 @@ def section_fp8_kernels():
                      "fp8_mm_ms": round(bench(lambda: fp8_gemm.fp8_mm(x, w)), 4)}  # the kernel fp8_mm picks
             if hopper is not None and hopper.usable(x, w):
                 out = torch.empty_like(ours)
-                split = fp8_gemm.k_split(n, k)
 
                 def gluon():
                     q, q_scale = fp8_gemm.quantize_rows(x)
-                    return hopper.hopper_fp8_mm(q, q_scale, w, split, out)
+                    return hopper.hopper_fp8_mm(q, q_scale, w, out)
 
                 extra["gluon_equal"] = torch.equal(gluon(), ours)
                 extra["gluon_ms"] = round(bench(gluon), 4)
@@ -1380,13 +1380,12 @@ def section_fp8_kernels():
                     finally:
                         hopper.STAGES = shipped
                     extra["gluon_stages_ms"] = stages_ms
-                    if fp8_gemm.k_split(n, k) == 1:  # a consumer issuing the next group's product first
-                        hopper.ISSUE_AHEAD = True
-                        try:
-                            extra["gluon_ahead_equal"] = torch.equal(gluon(), ours)
-                            extra["gluon_ahead_ms"] = round(bench(gluon), 4)
-                        finally:
-                            hopper.ISSUE_AHEAD = False
+                    hopper.ISSUE_AHEAD = True  # a consumer issuing the next group's product first
+                    try:
+                        extra["gluon_ahead_equal"] = torch.equal(gluon(), ours)
+                        extra["gluon_ahead_ms"] = round(bench(gluon), 4)
+                    finally:
+                        hopper.ISSUE_AHEAD = False
             extra["bf16_cublas_ms"] = round(bench(lambda: F.linear(x, w_bf16)), 4)
             q, q_scale = fp8_gemm.quantize_rows(x)
             a_scale = q_scale.t().contiguous().t()  # cuBLAS takes the activation scales column-major
@@ -1406,7 +1405,7 @@ def section_fp8_kernels():
                     extra["promotions"] = fp8_promotion(q, q_scale, w, ours, cublas_fp8(), f32)
             except RuntimeError as e:  # a torch or cuBLAS without block-scaled FP8
                 print(f"# fp8-kernels N={n} K={k}: cuBLAS block-scaled FP8: {str(e)[:160]}", flush=True)
-            ms = extra.get("gluon_ms", extra["triton_ms"])
+            ms = extra["fp8_mm_ms"]
             record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, {rows} rows", 2 * rows * n * k / ms / 1e9, "TFLOP/s",
                    None, n=n, k=k, rows=rows, split=fp8_gemm.k_split(n, k), tiles=list(tiles), **extra)
 

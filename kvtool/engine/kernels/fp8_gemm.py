@@ -26,17 +26,16 @@ cores read half the weight bytes of bf16 and run FP8 at twice bf16's rate, so bo
 (bandwidth-bound) and prefill (compute-bound) gain.
 
 A weight whose column tiles would give a decode step a program or so per SM (`k_split`: Qwen3-8B's
-q/k/v, o_proj and down_proj) has its K split into a fixed number of parts by its shape alone:
-each part's groups are summed in K order as above, and the parts' sums are added in part order,
-at every row count. Up to SPLIT_PARALLEL_ROWS rows the parts run in programs of their own (float32
-partials; the last program of a tile, counted by an atomic, adds them); more rows run them in one
-program, which adds each part's sum to the total as the part's last group is added.
+q/k/v, o_proj and down_proj) has each tile's K groups spread over a fixed number of programs at up
+to SPLIT_PARALLEL_ROWS rows: each writes its groups' products unscaled (float32), and the tile's
+last program to finish, counted by an atomic, folds them all in K order with the scales as above.
+A group's product is the same wherever it is computed, so the sum is the one a single program
+makes: K is never summed in parts.
 
-On Hopper, products of CUBLAS_MIN_ROWS rows and more (a prefill's) of a weight whose K is not split
-and whose scales are 128 x 128 blocks run on cuBLAS (`cublas_usable`); others of HOPPER_MIN_ROWS
-rows and more run `hopper_fp8_gemm`, the same arithmetic in a warp-specialised Gluon kernel whose
-tensor cores do not wait while a group's product is scaled. A split K's parts have no cuBLAS
-equivalent: cuBLAS sums the whole of K.
+On Hopper, products of CUBLAS_MIN_ROWS rows and more (a prefill's) of a weight whose scales are
+128 x 128 blocks run on cuBLAS (`cublas_usable`); others of HOPPER_MIN_ROWS rows and more run
+`hopper_fp8_gemm`, the same arithmetic in a warp-specialised Gluon kernel whose tensor cores do
+not wait while a group's product is scaled.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ from kvtool.engine.kernels.tiles import grouped_tile, sm_count, split_launch
 
 HOPPER_FP8_GEMM = "kvtool.engine.kernels.hopper_fp8_gemm"
 
-# Row counts that between them reach every tile configuration of `config_for` and both ways a
-# split K runs (the runner's warm-up compiles them before the first request).
-WARM_UP_ROWS = (1, 65, 257)
+# Row counts that between them reach every tile configuration of `config_for`, with K spread over
+# parts and not (the runner's warm-up compiles them before the first request).
+WARM_UP_ROWS = (1, 9, 65, 257)
 # Row tiles of fewer rows run the FP8 dot as mma.sync, whose sums round otherwise than the
 # warpgroup MMA of larger tiles: every configuration keeps at least this many rows.
 MIN_BM = 64
@@ -85,23 +84,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, 
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, N, K, KP, stride_a, stride_as,
                      stride_w, stride_c, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr, PARALLEL: tl.constexpr, QUANTIZE: tl.constexpr):
+                     PARTS: tl.constexpr, QUANTIZE: tl.constexpr):
     """c = (a * as) @ (w * s).T, a [M, K] FP8 with one scale per row and BK-group, w [N, K] FP8;
-    grouped tile order. SPLIT > 1: K in SPLIT parts of KP columns, each summed alone and the parts
-    added in part order, by SPLIT programs per tile (PARALLEL: float32 partials in part_ptr
-    [SPLIT, M, N], tile counters in lock_ptr) or by one program that folds each part into the
-    total as its last group is added. QUANTIZE: a holds the activations unquantised (16-bit) and
-    each program quantises its rows' groups as `_quantize_rows_kernel` does, with its arithmetic."""
+    grouped tile order. PARTS > 1: each tile's K groups are spread over PARTS programs of KP
+    columns each, which write their groups' products unscaled (float32, part_ptr [K / BK, M, N]);
+    the tile's last program to finish (tile counters in lock_ptr) folds them all in K order, as
+    one program folds them with PARTS == 1, so the sum is the same. QUANTIZE (PARTS == 1 only): a
+    holds the activations unquantised (16-bit) and each program quantises its rows' groups as
+    `_quantize_rows_kernel` does, with its arithmetic."""
     pid = tl.program_id(0)
-    if PARALLEL:
-        part = pid % SPLIT
-        pm, pn = grouped_tile(pid // SPLIT, M, N, BM, BN, GROUP_M)
-        k_lo = part * KP
-        k_hi = k_lo + KP
-    else:
-        pm, pn = grouped_tile(pid, M, N, BM, BN, GROUP_M)
-        k_lo = 0
-        k_hi = K
+    part = pid % PARTS
+    pm, pn = grouped_tile(pid // PARTS, M, N, BM, BN, GROUP_M)
+    k_lo = part * KP
+    k_hi = tl.minimum(k_lo + KP, K)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -111,8 +106,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
     s_p = s_ptr + (rn // SCALE_ROWS) * stride_sn
     m_ok = rm < M
     n_ok = rn < N
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    at = rm[:, None].to(tl.int64) * N + rn[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    total = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = (k0 + rk)[None, :] < K
         if QUANTIZE:
@@ -121,32 +117,28 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
             a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
             a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
-        w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])  # one FMA, as cuBLAS folds
-        if SPLIT > 1 and not PARALLEL:
-            # A part's last group: its sum joins the total and the next part starts from zero
-            # (selects rather than a branch, so the loop stays one pipelined block).
-            last = (k0 + BK) % KP == 0
-            total = tl.where(last, total + acc, total)
-            acc = tl.where(last, 0.0, acc)
+        prod = tl.dot(a, tl.trans(w))
+        if PARTS == 1:
+            w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
+            acc += prod * (a_s[:, None] * w_s[None, :])  # one FMA, as cuBLAS folds
+        else:
+            tl.store(part_ptr + (k0 // BK) * M * N + at, prod, mask=out_ok)
         a_p += BK
         w_p += BK
-    out_ok = m_ok[:, None] & n_ok[None, :]
     c_p = c_ptr + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
-    if SPLIT == 1:
+    if PARTS == 1:
         tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
-    elif PARALLEL:
-        at = rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(part_ptr + part * M * N + at, acc, mask=out_ok)
-        tl.debug_barrier()  # every thread's partial is written before the tile's count moves
-        tile = pid // SPLIT
-        if tl.atomic_add(lock_ptr + tile, 1) == SPLIT - 1:  # the tile's last part to finish adds them all
-            for s in tl.static_range(SPLIT):
-                total += tl.load(part_ptr + s * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
-            tl.store(c_p, total.to(c_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next product
     else:
-        tl.store(c_p, total.to(c_ptr.dtype.element_ty), mask=out_ok)
+        tl.debug_barrier()  # every thread's products are written before the tile's count moves
+        tile = pid // PARTS
+        if tl.atomic_add(lock_ptr + tile, 1) == PARTS - 1:  # the tile's last part to finish folds them all
+            for g in range(0, tl.cdiv(K, BK)):
+                prod = tl.load(part_ptr + g * M * N + at, mask=out_ok, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(as_p + g, mask=m_ok, other=0.0)
+                w_s = tl.load(s_p + (g * BK // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
+                acc += prod * (a_s[:, None] * w_s[None, :])
+            tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next product
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,12 +158,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def config_for(rows: int, n: int, num_sms: int, k: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) for `rows` rows of n output columns from k inputs; the bits
     are the same for every choice (BM at least MIN_BM), so it is speed alone. From `gpu-bench.py
-    fp8-tiles` on an H100 (Qwen3-8B's block-wise projections, K split as `k_split` splits it):
+    fp8-tiles` on an H100 (Qwen3-8B's block-wise projections, K spread as `k_split` spreads it):
     at one row 64 columns per program once the programs of all parts cover the SMs one and a half
     times, else 32; at 8192 rows 64-row tiles 128 wide, 256 wide for a long K (down_proj), and
     128 x 128 tiles over eight warps for a wide output (gate/up)."""
     if rows <= 64:
-        wide = triton.cdiv(n, 64) * k_split(n, k) * 2 >= 3 * num_sms
+        parts = k_split(n, k) if rows <= SPLIT_PARALLEL_ROWS else 1
+        wide = triton.cdiv(n, 64) * parts * 2 >= 3 * num_sms
         return (64, 64, 4, 3) if wide else (64, 32, 4, 4)
     if rows <= 256:
         return 64, 128, 4, 4
@@ -181,31 +174,36 @@ def config_for(rows: int, n: int, num_sms: int, k: int) -> tuple[int, int, int, 
 
 
 # A weight whose column tiles at one row give fewer than about SPLIT_PROGRAMS programs (each of
-# MIN_BM rows and 32 columns) splits its K (`k_split`) into parts of at least SPLIT_MIN_PART
-# columns: a decode step's weights then stream through several programs per SM.
+# MIN_BM rows and 32 columns) spreads each tile's K groups over parts of at least SPLIT_MIN_PART
+# columns in programs of their own (`k_split`) at a decode step's few rows, so its weights stream
+# through several programs per SM. The products are folded in K order all the same.
 SPLIT_PROGRAMS = 512
 SPLIT_MIN_PART = 1024
-# Products of up to this many rows run the parts of a split K in programs of their own.
-SPLIT_PARALLEL_ROWS = 64
+# Products of up to this many rows spread K over parts. Each part writes its groups' products in
+# float32, rows x groups x N x 4 bytes that the folding program reads back: beside the weight's
+# N x K bytes that is rows / 16 more traffic each way, half the weight's at 8 rows.
+SPLIT_PARALLEL_ROWS = 8
 # From this many rows on Hopper the product runs `hopper_fp8_gemm`'s warp-specialised kernel (the
-# same bits). On an H100 (2026-12-07), Qwen3-8B's four block-wise projections took it 0.69 ms
-# together at 1024 rows against the Triton kernel's 0.73, and 5.15 against 5.72 at 8192; at 256
-# rows 0.25 against 0.23 (what `gpu-bench.py fp8-kernels` times).
+# same bits) where cuBLAS does not take it. On an H100 (2026-12-07), Qwen3-8B's four block-wise
+# projections took it 0.69 ms together at 1024 rows against the Triton kernel's 0.73, and 5.15
+# against 5.72 at 8192; at 256 rows 0.25 against 0.23 (what `gpu-bench.py fp8-kernels` times).
 HOPPER_MIN_ROWS = 1024
 # From this many rows on Hopper a weight that `cublas_usable` takes runs cuBLAS's block-scaled FP8
 # product, whose bits are the kernels' there (tests/engine/kernels/test_fp8_gemm_cuda.py checks it
-# on the GPU it runs on). Qwen3-8B's gate/up at 8192 rows on an H100: 1.44 ms against the Gluon
-# kernel's 2.31 (2026-12-07, `gpu-bench.py fp8-kernels`).
+# on the GPU it runs on). Qwen3-8B's projections at 8192 rows on an H100, without quantisation:
+# 0.378 / 0.250 / 1.444 / 0.733 ms (q/k/v, o_proj, gate/up, down_proj) against the Gluon kernel's
+# 0.797 / 0.536 / 2.305 / 1.494 with it (2026-12-07, `gpu-bench.py fp8-kernels`).
 CUBLAS_MIN_ROWS = 1024
-# Products of up to this many rows quantise their activations inside the product's programs (a
-# decode step's few rows: one launch instead of two per projection); more rows are quantised once
-# by `quantize_rows` first, rather than once per column tile. The same arithmetic either way.
+# Products of up to this many rows whose K is not spread over parts quantise their activations
+# inside the product's programs (a decode step's few rows: one launch instead of two per
+# projection); others are quantised once by `quantize_rows` first (the parts' folding program
+# reads the scales back). The same arithmetic either way.
 FUSED_QUANTIZE_ROWS = 64
 
 
 def k_split(n: int, k: int) -> int:
-    """How many equal parts the K of an FP8 [n, k] weight is split into (1: not split), by the
-    weight's shape alone so that every row count splits it the same way; each part whole groups."""
+    """Over how many programs a tile's K groups are spread at few rows (1: one program), by the
+    weight's shape alone; each part whole groups."""
     parts = min(-(-SPLIT_PROGRAMS * 32 // n), k // SPLIT_MIN_PART)
     while parts > 1 and k % (GROUP * parts):
         parts -= 1
@@ -215,7 +213,7 @@ def k_split(n: int, k: int) -> int:
 def cublas_usable(x: torch.Tensor, w: Fp8Weight) -> bool:
     """Whether cuBLAS's block-scaled FP8 product gives this product's bits: a Hopper GPU (the one
     its arithmetic was checked on), bf16 activations, and weight scales in 128 x 128 blocks over
-    whole blocks of N and K (an unsplit K is the caller's condition)."""
+    whole blocks of N and K."""
     n, k = w.data.shape
     return (x.dtype == torch.bfloat16 and w.scale_rows == GROUP and w.scale_cols == GROUP and n % GROUP == 0
             and k % GROUP == 0 and w.scale.shape == (n // GROUP, k // GROUP) and w.scale.is_contiguous()
@@ -234,23 +232,25 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     bm, bn, warps, stages = config or config_for(m, n, sm_count(x.device), k)
     if bm < MIN_BM:
         raise ValueError(f"FP8 row tiles of {bm} rows round otherwise than those of {MIN_BM} and more")
-    fused = m <= FUSED_QUANTIZE_ROWS
+    split = k_split(n, k) if m <= SPLIT_PARALLEL_ROWS else 1
+    fused = m <= FUSED_QUANTIZE_ROWS and split == 1
     q, q_scale = (x, x) if fused else quantize_rows(x)  # fused: the kernel quantises x itself
-    split = k_split(n, k)
-    if m >= CUBLAS_MIN_ROWS and config is None and split == 1 and cublas_usable(x, w):
+    if config is None and m >= CUBLAS_MIN_ROWS and cublas_usable(x, w):
         # cuBLAS takes the activation scales column-major and the weight's as [K / 128, N / 128]
         return torch._scaled_mm(q, w.data.t(), scale_a=q_scale.t().contiguous().t(), scale_b=w.scale.t(),
                                 out_dtype=x.dtype)
-    if m >= HOPPER_MIN_ROWS and config is None:
+    if config is None and m >= HOPPER_MIN_ROWS:
         hopper = gluon_module(HOPPER_FP8_GEMM)
         if hopper is not None and hopper.usable(x, w):
-            return hopper.hopper_fp8_mm(q, q_scale, w, split, c)
+            return hopper.hopper_fp8_mm(q, q_scale, w, c)
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs, parts, locks, parallel = split_launch(m, n, tiles, split, SPLIT_PARALLEL_ROWS, c)
+    # A spread K's parts write every group's product: [groups, m, n] float32.
+    programs, products, locks, _ = split_launch(m, n, tiles, split, SPLIT_PARALLEL_ROWS, c,
+                                                slots=triton.cdiv(k, GROUP))
     _fp8_gemm_kernel[(programs,)](
-        q, q_scale, w.data, w.scale, c, parts, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),
+        q, q_scale, w.data, w.scale, c, products, locks, m, n, k, k // split, q.stride(0), q_scale.stride(0),
         w.data.stride(0), c.stride(0), w.scale.stride(0), stride_sk, SCALE_ROWS=w.scale_rows,
-        SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, SPLIT=split, PARALLEL=parallel,
-        QUANTIZE=fused, num_warps=warps, num_stages=stages)
+        SCALE_COLS=w.scale_cols, BM=bm, BN=bn, BK=GROUP, GROUP_M=8, PARTS=split, QUANTIZE=fused,
+        num_warps=warps, num_stages=stages)
     return c

@@ -3,10 +3,9 @@ two consumer warpgroups, so that one consumer scales a group's product while the
 the tensor cores.
 
 The arithmetic is `fp8_gemm`'s, element for element: each K group of 128 columns is one warpgroup
-MMA from zero, folded into the part's running sum with one rounding after the row's activation
-scale and the column's weight scale are multiplied (`acc = fma(dot, s_a * s_w, acc)`), and a
-split K's parts are added to the total in part order as each part's last group is added. So its
-rows are the Triton kernel's bits at every row count, and `fp8_mm` picks between the two for speed
+MMA from zero, folded into the running sum in K order with one rounding after the row's activation
+scale and the column's weight scale are multiplied (`acc = fma(dot, s_a * s_w, acc)`). So its rows
+are the Triton kernel's bits at every row count, and `fp8_mm` picks between the two for speed
 alone. What differs is the schedule: in the Triton kernel the warps that wait for a group's product
 are the ones that must then scale it, so the tensor cores idle during the scaling; here the
 producer warp brings each group's tiles through TMA into a ring of shared-memory slots, and the
@@ -32,8 +31,7 @@ BLOCK_N = 128
 STAGES = 4  # K groups in flight: 32 KiB of shared memory each
 GROUP_M = 8  # row tiles that walk the column tiles together (`tiles.grouped_tile`)
 # Whether a consumer issues a K group's product before it folds the one before (a second product
-# in registers, so only for a K not split: a split K's total takes those registers). A schedule
-# knob, the same bits either way; `gpu-bench.py fp8-kernels` times both.
+# in registers). A schedule knob, the same bits either way; `gpu-bench.py fp8-kernels` times both.
 ISSUE_AHEAD = False
 MAX_REGISTERS = 168  # per thread at launch; the partitions then take 24 (producer) and 240 (consumers)
 _SUB_M = gl.constexpr(SUB_M)  # the same, for the kernels
@@ -59,7 +57,7 @@ def _produce(descs, bufs, bars, scalars, ptrs):
     a_desc, w_desc = descs
     a_bufs, w_bufs, flags = bufs
     ready, empty = bars
-    pm, pn, M, N, K, KP = scalars
+    pm, pn, M, N, K = scalars
     NUM_STAGES: gl.constexpr = w_bufs.type.shape[0]
     NUM_CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -100,11 +98,10 @@ def _consume(bufs, bars, scalars, ptrs, half):
     """One consumer warpgroup: rows half * 64 .. + 63 of the tile, every group of K in order."""
     a_bufs, w_bufs, flags = bufs
     ready, empty = bars
-    pm, pn, M, N, K, KP = scalars
+    pm, pn, M, N, K = scalars
     as_ptr, s_ptr, c_ptr, stride_as, stride_sn, stride_sk, stride_c, scale_rows, scale_cols = ptrs
     BLOCK_W: gl.constexpr = flags.type.shape[0] == 2
-    SPLIT: gl.constexpr = flags.type.shape[1] == 2
-    AHEAD: gl.constexpr = flags.type.shape[2] == 2
+    AHEAD: gl.constexpr = flags.type.shape[1] == 2
     NUM_STAGES: gl.constexpr = w_bufs.type.shape[0]
     NUM_CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -127,7 +124,7 @@ def _consume(bufs, bars, scalars, ptrs, half):
     acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
     prod = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
     groups = K // BK
-    if AHEAD:  # K whole (no split): group i + 1's product is issued before group i's is folded
+    if AHEAD:  # group i + 1's product is issued before group i's is folded
         nxt = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
         a_s, w_s = _group_scales(as_p, w_row, m_ok, 0, scale_cols, stride_sk, BK, BLOCK_W)
         mbarrier.wait(ready.index(0), 0)
@@ -148,11 +145,8 @@ def _consume(bufs, bars, scalars, ptrs, half):
         mbarrier.arrive(empty.index((groups - 1) % NUM_STAGES), count=1)
         acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
     else:
-        if SPLIT:
-            total = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
         for i in range(groups):
             slot = i % NUM_STAGES
-            k0 = i * BK
             a_s, w_s = _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK, BLOCK_W)
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
             prod = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), prod,
@@ -160,12 +154,6 @@ def _consume(bufs, bars, scalars, ptrs, half):
             prod = warpgroup_mma_wait(0, deps=(prod, ))
             mbarrier.arrive(empty.index(slot), count=1)
             acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
-            if SPLIT:
-                if (k0 + BK) % KP == 0:  # a part's last group: its sum joins the total
-                    total = total + acc
-                    acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-        if SPLIT:
-            acc = total
     c_p = c_ptr + rm[:, None].to(gl.int64) * stride_c + rn[None, :]
     gl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -176,9 +164,9 @@ def _second_consumer(descs, bufs, bars, scalars, ptrs):
 
 
 @gluon.jit
-def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, KP, stride_as, stride_sn, stride_sk, stride_c,
+def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, stride_as, stride_sn, stride_sk, stride_c,
                      scale_rows, scale_cols, NUM_STAGES: gl.constexpr, GROUP_TILES: gl.constexpr,
-                     BLOCK_W: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr):
+                     BLOCK_W: gl.constexpr, AHEAD: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0] * 2
     BN: gl.constexpr = w_desc.block_type.shape[0]
     # Grouped tile order (`tiles.grouped_tile`): GROUP_TILES row tiles walk the column tiles together.
@@ -198,14 +186,14 @@ def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, KP, stride_a
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
-    # The partitions' arguments arrive as runtime values, so whether the weight has block scales, a
-    # split K and the consumers issue ahead travels in this (unused) buffer's shape, 2 along the
-    # first, second or third dimension for each.
-    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 2 if SPLIT else 1, 2 if AHEAD else 1],
-                                      gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    # The partitions' arguments arrive as runtime values, so whether the weight has block scales and
+    # the consumers issue ahead travels in this (unused) buffer's shape, 2 along the first or the
+    # second dimension for each.
+    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 2 if AHEAD else 1],
+                                      gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     bufs = (a_bufs, w_bufs, flags)
     bars = (ready, empty)
-    scalars = (pm, pn, M, N, K, KP)
+    scalars = (pm, pn, M, N, K)
     ptrs = (as_ptr, s_ptr, c_ptr, stride_as, stride_sn, stride_sk, stride_c, scale_rows, scale_cols)
     # Worker partitions share one signature; constants travel in the buffers' shapes.
     workers = ((a_desc, w_desc), bufs, bars, scalars, ptrs)
@@ -218,16 +206,16 @@ def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, GROUP], layout)
 
 
-def hopper_fp8_mm(q: torch.Tensor, q_scale: torch.Tensor, w: Fp8Weight, split: int, out: torch.Tensor) -> torch.Tensor:
+def hopper_fp8_mm(q: torch.Tensor, q_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor) -> torch.Tensor:
     """out [M, N] = `fp8_gemm`'s product of the quantised activations q [M, K] (float8_e4m3fn,
-    scales q_scale [M, K / GROUP]) and w, K in `split` parts; for inputs where `usable`."""
+    scales q_scale [M, K / GROUP]) and w; for inputs where `usable`."""
     m, k = q.shape
     n = w.data.shape[0]
     stride_sk = w.scale.stride(1) if w.scale.shape[1] > 1 else 0
     grid = (triton.cdiv(m, SUB_M * CONSUMERS) * triton.cdiv(n, BLOCK_N), )
     _fp8_gemm_kernel[grid](
-        _descriptor(q, SUB_M), _descriptor(w.data, BLOCK_N), q_scale, w.scale, out, m, n, k, k // split,
+        _descriptor(q, SUB_M), _descriptor(w.data, BLOCK_N), q_scale, w.scale, out, m, n, k,
         q_scale.stride(0), w.scale.stride(0), stride_sk, out.stride(0), w.scale_rows, w.scale_cols,
-        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), SPLIT=split > 1,
-        AHEAD=ISSUE_AHEAD and split == 1, num_warps=4, maxnreg=MAX_REGISTERS)
+        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), AHEAD=ISSUE_AHEAD, num_warps=4,
+        maxnreg=MAX_REGISTERS)
     return out

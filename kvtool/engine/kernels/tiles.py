@@ -44,13 +44,13 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return _counters[device]
 
 
-def split_launch(m: int, n: int, tiles: int, split: int, parallel_rows: int,
-                 out: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, bool]:
-    """(programs, float32 partials [split, m, n], tile counters, parallel) of an [m, n] product of
-    `tiles` output tiles whose K is split in `split` parts: up to `parallel_rows` rows each part
-    has programs of its own; otherwise one program per tile and the partials and counters are
-    `out` (not read)."""
+def split_launch(m: int, n: int, tiles: int, split: int, parallel_rows: int, out: torch.Tensor,
+                 slots: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor, bool]:
+    """(programs, float32 partials [slots, m, n], tile counters, parallel) of an [m, n] product of
+    `tiles` output tiles whose K is split in `split` parts (`slots` partials, by default one per
+    part): up to `parallel_rows` rows each part has programs of its own; otherwise one program per
+    tile and the partials and counters are `out` (not read)."""
     if split == 1 or m > parallel_rows:
         return tiles, out, out, False
-    parts = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    parts = torch.empty((slots or split, m, n), dtype=torch.float32, device=out.device)
     return tiles * split, parts, tile_counters(out.device, tiles), True

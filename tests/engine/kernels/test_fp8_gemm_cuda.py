@@ -121,9 +121,9 @@ def test_stacked_weights_give_each_parts_product(shapes):
 
 @pytest.mark.parametrize("n,k,strategy", [
     (24576, 4096, "block"),  # Qwen3-8B's gate/up: K whole
-    (4096, 12288, "block"),  # its down_proj: K in 4 parts
+    (4096, 12288, "block"),  # its down_proj: K over 4 programs at few rows
     (1000, 640, "channel"),  # ragged N, one scale per column
-    (6144, 4096, "tensor"),  # a split K with one scale per column
+    (6144, 4096, "tensor"),  # K over 2 programs at few rows, one scale per column
 ])
 def test_the_hopper_kernel_gives_the_triton_kernels_bits(monkeypatch, n, k, strategy):
     """From HOPPER_MIN_ROWS rows on Hopper `fp8_mm` runs the warp-specialised Gluon kernel (cuBLAS
@@ -151,10 +151,10 @@ def test_the_hopper_kernel_gives_the_triton_kernels_bits(monkeypatch, n, k, stra
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
 
 
-@pytest.mark.parametrize("n,k", [(2048, 4096), (16384, 1024)])  # K in 4 parts; K whole
+@pytest.mark.parametrize("n,k", [(2048, 4096), (16384, 1024)])
 def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypatch, n, k):
     """The Gluon FP8 kernel's schedule knobs (K groups in flight; issuing a group's product before
-    folding the last, for a K not split) give the shipped bits."""
+    folding the last) give the shipped bits."""
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
 
@@ -172,17 +172,17 @@ def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypat
             assert torch.equal(fp8_gemm.fp8_mm(x, w), shipped), (stages, ahead)
 
 
-@pytest.mark.parametrize("n,k", [(24576, 4096), (16384, 1024), (6144, 1024), (3072, 1024)])  # K whole
+@pytest.mark.parametrize("n,k", [(24576, 4096), (6144, 4096), (4096, 12288), (16384, 1024), (3072, 1024)])
 def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
-    """From CUBLAS_MIN_ROWS rows on Hopper a block-scaled weight whose K is not split runs cuBLAS's
-    block-scaled FP8 product (`torch._scaled_mm`): its rows are the Triton and the Gluon kernel's
-    bits at every row count from there, ragged ones included, and fewer rows give the same rows."""
+    """From CUBLAS_MIN_ROWS rows on Hopper a block-scaled weight runs cuBLAS's block-scaled FP8
+    product (`torch._scaled_mm`): its rows are the Triton and the Gluon kernel's bits at every row
+    count from there, ragged ones included, and fewer rows (K spread over parts at the fewest)
+    give the same rows."""
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
     from kvtool.engine.kernels.tiles import sm_count
 
     w = weight(n, k, "block", seed=n + k)
-    assert fp8_gemm.k_split(n, k) == 1
     if not fp8_gemm.cublas_usable(torch.empty(1, k, device=DEV, dtype=torch.bfloat16), w):
         pytest.skip("cuBLAS's FP8 product is routed to on Hopper only")
     calls = []
@@ -200,8 +200,8 @@ def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
     if hopper is not None and hopper.usable(x, w):
         q, q_scale = fp8_gemm.quantize_rows(x[:3000])
         out = torch.empty(3000, n, device=DEV, dtype=torch.bfloat16)
-        assert torch.equal(hopper.hopper_fp8_mm(q, q_scale, w, 1, out), full[:3000])
+        assert torch.equal(hopper.hopper_fp8_mm(q, q_scale, w, out), full[:3000])
     calls.clear()
-    for m in (1, 65, fp8_gemm.CUBLAS_MIN_ROWS - 1):
+    for m in (1, 8, 9, 65, fp8_gemm.CUBLAS_MIN_ROWS - 1):
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
     assert calls == []

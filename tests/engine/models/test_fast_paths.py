@@ -239,11 +239,11 @@ def test_the_warm_up_reaches_every_split_launch(cuda_modules):
     assert reached == set().union(*(launches(r) for r in range(1, 4 * rig.WARM_UP_MAX_ROWS)))
 
 
-def test_an_fp8_weight_splits_its_k_by_its_shape_alone(cuda_modules):
+def test_an_fp8_weight_spreads_its_k_by_its_shape_alone(cuda_modules):
     """FP8 `k_split`: the projections of a block-wise FP8 Qwen3-8B whose column tiles leave a
-    decode step with few programs (q/k/v, o_proj, down_proj) split K into equal parts of whole
-    128-column groups, at least SPLIT_MIN_PART wide; gate/up stays whole. The warm-up rows reach
-    every (tiles, parts in programs of their own or not) launch `fp8_mm` makes."""
+    decode step with few programs (q/k/v, o_proj, down_proj) spread each tile's K groups over
+    programs of whole 128-column groups, at least SPLIT_MIN_PART wide; gate/up stays in one. The
+    warm-up rows reach every (tiles, parts, activations quantised inside) launch `fp8_mm` makes."""
     from kvtool.engine.kernels import fp8_gemm
 
     split = {(6144, 4096): 2, (4096, 4096): 4, (24576, 4096): 1, (4096, 12288): 4,  # Qwen3-8B
@@ -253,7 +253,11 @@ def test_an_fp8_weight_splits_its_k_by_its_shape_alone(cuda_modules):
         assert parts == 1 or (k % (fp8_gemm.GROUP * parts) == 0 and k // parts >= fp8_gemm.SPLIT_MIN_PART)
 
     def launches(rows):
-        return {(fp8_gemm.config_for(rows, n, 132, k), rows <= fp8_gemm.SPLIT_PARALLEL_ROWS) for n, k in split}
+        out = set()
+        for n, k in split:
+            parts = fp8_gemm.k_split(n, k) if rows <= fp8_gemm.SPLIT_PARALLEL_ROWS else 1
+            out.add((fp8_gemm.config_for(rows, n, 132, k), parts, rows <= fp8_gemm.FUSED_QUANTIZE_ROWS and parts == 1))
+        return out
 
     reached = set().union(*(launches(r) for r in fp8_gemm.WARM_UP_ROWS))
     assert reached == set().union(*(launches(r) for r in range(1, 4096)))
