@@ -1342,16 +1342,17 @@ def section_fp8_kernels():
         w = Fp8Weight(*quantize(dense, block), 128, 128)
         w_bf16 = dense.bfloat16()
         one = torch.randn(1, k, device="cuda").bfloat16()  # a decode step's row: quantised in the product or apart
-        fused = fp8_gemm.fp8_mm(one, w)
-        decode = {"fused_ms": round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)}
+        shipped = fp8_gemm.fp8_mm(one, w)
+        decode = {"ms": round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)}
         shipped_fused = fp8_gemm.FUSED_QUANTIZE_ROWS
-        fp8_gemm.FUSED_QUANTIZE_ROWS = 0
         try:
-            decode["unfused_equal"] = torch.equal(fp8_gemm.fp8_mm(one, w), fused)
-            decode["unfused_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
+            for name, fused_rows in (("fused", 64), ("unfused", 0)):
+                fp8_gemm.FUSED_QUANTIZE_ROWS = fused_rows
+                decode[f"{name}_equal"] = torch.equal(fp8_gemm.fp8_mm(one, w), shipped)
+                decode[f"{name}_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
         finally:
             fp8_gemm.FUSED_QUANTIZE_ROWS = shipped_fused
-        record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, 1 row", decode["fused_ms"] * 1e3, "us", None, n=n, k=k,
+        record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, 1 row", decode["ms"] * 1e3, "us", None, n=n, k=k,
                rows=1, split=fp8_gemm.k_split(n, k), **decode)
         for rows in FP8_KERNEL_ROWS:
             x = torch.randn(rows, k, device="cuda").bfloat16()

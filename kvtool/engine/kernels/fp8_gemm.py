@@ -194,11 +194,14 @@ HOPPER_MIN_ROWS = 1024
 # 0.378 / 0.250 / 1.444 / 0.733 ms (q/k/v, o_proj, gate/up, down_proj) against the Gluon kernel's
 # 0.797 / 0.536 / 2.305 / 1.494 with it (2026-12-07, `gpu-bench.py fp8-kernels`).
 CUBLAS_MIN_ROWS = 1024
-# Products of up to this many rows whose K is not spread over parts quantise their activations
-# inside the product's programs (a decode step's few rows: one launch instead of two per
-# projection); others are quantised once by `quantize_rows` first (the parts' folding program
-# reads the scales back). The same arithmetic either way.
-FUSED_QUANTIZE_ROWS = 64
+# Products of up to this many rows whose K is not spread over parts may quantise their
+# activations inside the product's programs (one launch instead of two per projection); others
+# are quantised once by `quantize_rows` first (the parts' folding program reads the scales back).
+# The same arithmetic either way. Off (0): every program of a tile quantises all MIN_BM rows of
+# its tile, masked or not, once per column tile, and on an H100 the FP8 Qwen3-8B's batch-1 step
+# took 8.99 ms with it at 64 (2026-12-07) against 4.63 ms before it. `gpu-bench.py fp8-kernels`
+# times one row both ways.
+FUSED_QUANTIZE_ROWS = 0
 
 
 def k_split(n: int, k: int) -> int:

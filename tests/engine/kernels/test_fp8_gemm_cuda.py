@@ -205,3 +205,17 @@ def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
     for m in (1, 8, 9, 65, fp8_gemm.CUBLAS_MIN_ROWS - 1):
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
     assert calls == []
+
+
+@pytest.mark.parametrize("n,k", [(24576, 4096), (1000, 640)])
+def test_quantising_inside_the_product_gives_the_same_bits(monkeypatch, n, k):
+    """`FUSED_QUANTIZE_ROWS` (a speed knob): activations quantised inside the product's programs
+    give the bits of those quantised apart first, at every row count it covers."""
+    from kvtool.engine.kernels import fp8_gemm
+
+    w = weight(n, k, "block", seed=7)
+    x = torch.randn(64, k, device=DEV).bfloat16()
+    apart = {m: fp8_gemm.fp8_mm(x[:m], w) for m in (1, 9, 33, 64)}
+    monkeypatch.setattr(fp8_gemm, "FUSED_QUANTIZE_ROWS", 64)
+    for m, expected in apart.items():
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), expected), m
