@@ -460,11 +460,6 @@ class LMCacheWorker(WorkerHalf):
         staged = self._staging.stage([(job.block_ids, job.end - job.start) for job in jobs])
         with self._stats_lock:
             self.stats.store_s += time.perf_counter() - t0
-            # Every staging buffer in flight: the chunks from there on are not stored (store_staging).
-            self.stats.store_skipped_chunks += len(jobs) - len(staged.hosts)
-        jobs = jobs[: len(staged.hosts)]
-        if not jobs:
-            return
         self.pending_puts = [f for f in self.pending_puts if not f.done()]
         self.pending_puts.append(self.putter.submit(self._put_staged, jobs, staged))
 

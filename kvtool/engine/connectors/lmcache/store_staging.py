@@ -6,11 +6,9 @@ into pageable memory, through the driver's bounce buffers, while the step waits:
 8k-token prompt of Qwen3-8B. Here each chunk is gathered on the device and copied into a pinned
 staging buffer by a copy stream of its own, after its gather; the step goes on at once, and the
 PUT thread waits for the copies' event before it sends. A buffer goes back to the pool once
-its chunk was sent (or failed). At most MAX_BUFFERS chunks are staged at a time: when every
-buffer is in flight, a step's chunks from there on are not stored, as LMCache 0.5.6 stores only
-the chunks its local CPU memory has room for ("Local cpu memory under pressure"). So a slow store
-never stalls a step, and the host memory its backlog holds stays bounded; a chunk not stored is
-a miss later, nothing worse. On a CPU engine the gathered tensor is the host copy.
+its chunk was sent (or failed). At most MAX_BUFFERS chunks are staged at a time; a chunk past
+that is copied the old way (pageable, the step waiting), never held until the store drains, so
+a slow store never stalls a step. On a CPU engine the gathered tensor is the host copy.
 """
 
 from __future__ import annotations
@@ -53,10 +51,9 @@ class StoreStaging:
         self._stream: torch.cuda.Stream | None = None
 
     def stage(self, chunks: Sequence[tuple[Sequence[int], int]]) -> StagedChunks:
-        """Host copies of the chunks given as (block ids, tokens), in that order, as far as buffers
-        are free: `hosts` may be shorter than `chunks` (those after it are not stored). A chunk is
-        gathered on the device only when its copy is next, so the device holds at most the staged
-        chunks' gathers (until the copy stream has read them) and one more."""
+        """Host copies of the chunks given as (block ids, tokens), in that order. A chunk is gathered
+        on the device only when its copy is next, so the device holds at most the staged chunks'
+        gathers (until the copy stream has read them) and one more."""
         if self.device.type != "cuda":
             return StagedChunks([self.kv_pages.gather(blocks, "KV_2LTD", n) for blocks, n in chunks], None, [])
         if self._stream is None:
@@ -67,8 +64,9 @@ class StoreStaging:
             data = self.kv_pages.gather(blocks, "KV_2LTD", n)
             nbytes = data.numel() * data.element_size()
             buf = self._take(nbytes)
-            if buf is None:  # every buffer is in flight: this chunk and those after it are not stored
-                break
+            if buf is None:  # every buffer is in flight: the pageable copy, the step waiting
+                hosts.append(data.cpu())
+                continue
             gathered = torch.cuda.Event()
             gathered.record()
             with torch.cuda.stream(self._stream):
