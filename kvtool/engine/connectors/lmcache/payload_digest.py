@@ -32,6 +32,9 @@ DIGEST_BYTES = 32
 # (it refuses BINARY ones), so even a client that asked for it would read it without harm.
 DIGEST_HEADER = kv_chunk_header((2, 1, 1, DIGEST_BYTES // 2), torch.uint8)
 SECRET_ENV = "KVTOOL_LMCACHE_PAYLOAD_KEY"
+# Payloads from this size up are hashed on every core: blake3's tree gives the same digest on any
+# number of threads, and a chunk's tens of megabytes are hashed in the load loop of a hit.
+PARALLEL_BYTES = 1 << 20
 
 
 def digest_key(chunk_key: str) -> str:
@@ -49,7 +52,11 @@ def payload_secret() -> bytes | None:
 
 def payload_digest(chunk_key: str, payload: Buffer, secret: bytes | None) -> bytes:
     """The digest of one chunk: bound to its key, so a digest copied from another chunk fails."""
-    hasher = blake3.blake3(key=secret) if secret is not None else blake3.blake3()
+    threads = blake3.blake3.AUTO if memoryview(payload).nbytes >= PARALLEL_BYTES else 1
+    if secret is not None:
+        hasher = blake3.blake3(key=secret, max_threads=threads)
+    else:
+        hasher = blake3.blake3(max_threads=threads)
     hasher.update(chunk_key.encode())
     hasher.update(b"\0")
     hasher.update(payload)

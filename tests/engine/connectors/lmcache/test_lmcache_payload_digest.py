@@ -113,3 +113,22 @@ def test_verify_payload_refuses_a_model_name_too_long_for_the_digest_key(make_en
     with pytest.raises(ConfigError, match="verify_payload"):  # on by default in blake3 mode
         make_engine(kv_transfer_config=lm_config(lmcache_server, model_name="m" * 110))
     make_engine(kv_transfer_config=lm_config(lmcache_server, verify_payload=False, model_name="m" * 110))
+
+
+@pytest.mark.parametrize("secret", [None, bytes(range(32))])
+def test_a_large_payloads_digest_is_the_one_thread_digest(secret):
+    """Payloads of PARALLEL_BYTES and more are hashed on every core: the digest is the one a single
+    thread computes (blake3's tree), so digests stored before stay valid."""
+    import os
+
+    import blake3
+
+    from kvtool.engine.connectors.lmcache.payload_digest import PARALLEL_BYTES, payload_digest
+
+    for size in (PARALLEL_BYTES - 1, PARALLEL_BYTES, 3 * PARALLEL_BYTES + 17):
+        payload = memoryview(os.urandom(size))
+        one = blake3.blake3(key=secret) if secret is not None else blake3.blake3()
+        one.update(b"key@1@0@ab@bfloat16")
+        one.update(b"\0")
+        one.update(payload)
+        assert payload_digest("key@1@0@ab@bfloat16", payload, secret) == one.digest()
