@@ -368,7 +368,7 @@ def kernel_fp8_gemm(sweep: bool = False) -> None:
     import torch
     from triton.testing import do_bench
 
-    from kvtool.engine.kernels.fp8_gemm import MIN_BM, config_for, fp8_mm
+    from kvtool.engine.kernels.fp8_gemm import config_for, fp8_mm
     from kvtool.engine.kernels.fp8_weight import Fp8Weight
     from kvtool.engine.kernels.row_invariant_gemm import linear
     from kvtool.engine.kernels.tiles import sm_count
