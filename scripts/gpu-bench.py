@@ -1323,8 +1323,7 @@ def section_fp8_kernels():
     (`fp8_promotion`). At one row, a decode step's product with its activations quantised inside it
     and apart (`fused_ms`, `unfused_ms`; the same for a weight whose K is spread over parts, which
     always quantises apart). At the most rows the Gluon kernel is also timed with 2 to 6 K groups in
-    flight (`gluon_stages_ms`; a setting whose bits differ says so) and with its consumers issuing
-    each group's product before folding the last (`gluon_ahead_ms`, `gluon_ahead_equal`)."""
+    flight (`gluon_stages_ms`; a setting whose bits differ says so)."""
     import torch
     import torch.nn.functional as F
 
@@ -1381,12 +1380,6 @@ def section_fp8_kernels():
                     finally:
                         hopper.STAGES = shipped
                     extra["gluon_stages_ms"] = stages_ms
-                    hopper.ISSUE_AHEAD = True  # a consumer issuing the next group's product first
-                    try:
-                        extra["gluon_ahead_equal"] = torch.equal(gluon(), ours)
-                        extra["gluon_ahead_ms"] = round(bench(gluon), 4)
-                    finally:
-                        hopper.ISSUE_AHEAD = False
             extra["bf16_cublas_ms"] = round(bench(lambda: F.linear(x, w_bf16)), 4)
             q, q_scale = fp8_gemm.quantize_rows(x)
             a_scale = q_scale.t().contiguous().t()  # cuBLAS takes the activation scales column-major

@@ -100,7 +100,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
     part = pid % PARTS
     pm, pn = grouped_tile(pid // PARTS, M, N, BM, BN, GROUP_M)
     k_lo = part * KP
-    k_hi = tl.minimum(k_lo + KP, K)
+    k_hi = k_lo + KP
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -119,10 +119,11 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
             a, a_s = _quantize_group(tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0).to(tl.float32))
         else:
             a = tl.load(a_p, mask=m_ok[:, None] & k_ok, other=0.0)
-            a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
         w = tl.load(w_p, mask=n_ok[:, None] & k_ok, other=0.0)
         prod = tl.dot(a, tl.trans(w))
         if PARTS == 1:
+            if not QUANTIZE:
+                a_s = tl.load(as_p + k0 // BK, mask=m_ok, other=0.0)
             w_s = tl.load(s_p + (k0 // SCALE_COLS) * stride_sk, mask=n_ok, other=0.0)
             acc += prod * (a_s[:, None] * w_s[None, :])  # one FMA, as cuBLAS folds
         else:
@@ -249,6 +250,11 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     n = w.data.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    if config is None and m >= CUBLAS_MIN_ROWS and cublas_usable(x, w):
+        q, q_scale = quantize_rows(x)
+        # cuBLAS takes the activation scales column-major and the weight's as [K / 128, N / 128]
+        return torch._scaled_mm(q, w.data.t(), scale_a=q_scale.t().contiguous().t(), scale_b=w.scale.t(),
+                                out_dtype=x.dtype)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return c
@@ -258,10 +264,6 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     split = k_split(n, k) if m <= SPLIT_PARALLEL_ROWS else 1
     fused = m <= FUSED_QUANTIZE_ROWS and split == 1
     q, q_scale = (x, x) if fused else quantize_rows(x)  # fused: the kernel quantises x itself
-    if config is None and m >= CUBLAS_MIN_ROWS and cublas_usable(x, w):
-        # cuBLAS takes the activation scales column-major and the weight's as [K / 128, N / 128]
-        return torch._scaled_mm(q, w.data.t(), scale_a=q_scale.t().contiguous().t(), scale_b=w.scale.t(),
-                                out_dtype=x.dtype)
     if config is None and m >= HOPPER_MIN_ROWS:
         hopper = gluon_module(HOPPER_FP8_GEMM)
         if hopper is not None and hopper.usable(x, w):

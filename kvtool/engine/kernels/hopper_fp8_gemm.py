@@ -30,9 +30,6 @@ CONSUMERS = 2
 BLOCK_N = 128
 STAGES = 4  # K groups in flight: 32 KiB of shared memory each
 GROUP_M = 8  # row tiles that walk the column tiles together (`tiles.grouped_tile`)
-# Whether a consumer issues a K group's product before it folds the one before (a second product
-# in registers). A schedule knob, the same bits either way; `gpu-bench.py fp8-kernels` times both.
-ISSUE_AHEAD = False
 MAX_REGISTERS = 168  # per thread at launch; the partitions then take 24 (producer) and 240 (consumers)
 _SUB_M = gl.constexpr(SUB_M)  # the same, for the kernels
 
@@ -73,27 +70,6 @@ def _produce(descs, bufs, bars, scalars, ptrs):
 
 
 @gluon.jit
-def _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK: gl.constexpr, BLOCK_W: gl.constexpr):
-    """K group i's activation scales (one per row) and, with block scales, its weight scale."""
-    a_s = gl.load(as_p + i, mask=m_ok, other=0.0)
-    w_s = 1.0
-    if BLOCK_W:
-        w_s = gl.load(w_row + (i * BK // scale_cols) * stride_sk)
-    return a_s, w_s
-
-
-@gluon.jit
-def _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W: gl.constexpr):
-    """A group's product into the part's sum: `acc = fma(dot, s_a * s_w, acc)`, the Triton kernel's
-    arithmetic (and cuBLAS's)."""
-    if BLOCK_W:
-        acc += prod * (a_s[:, None] * w_s)
-    else:
-        acc += prod * (a_s[:, None] * w_cols[None, :])
-    return acc
-
-
-@gluon.jit
 def _consume(bufs, bars, scalars, ptrs, half):
     """One consumer warpgroup: rows half * 64 .. + 63 of the tile, every group of K in order."""
     a_bufs, w_bufs, flags = bufs
@@ -101,7 +77,6 @@ def _consume(bufs, bars, scalars, ptrs, half):
     pm, pn, M, N, K = scalars
     as_ptr, s_ptr, c_ptr, stride_as, stride_sn, stride_sk, stride_c, scale_rows, scale_cols = ptrs
     BLOCK_W: gl.constexpr = flags.type.shape[0] == 2
-    AHEAD: gl.constexpr = flags.type.shape[1] == 2
     NUM_STAGES: gl.constexpr = w_bufs.type.shape[0]
     NUM_CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -118,42 +93,25 @@ def _consume(bufs, bars, scalars, ptrs, half):
     # Block scales: one per K group for the whole tile (its columns lie in one block row); else
     # one per column for the whole of K, loaded once.
     w_row = s_ptr + (pn * BN // scale_rows) * stride_sn
-    w_cols = gl.full((BN, ), 1.0, gl.float32, layout=cols_layout)  # stays unused with block scales
     if not BLOCK_W:
         w_cols = gl.load(s_ptr + (rn // scale_rows) * stride_sn, mask=n_ok, other=0.0)
     acc = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
     prod = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-    groups = K // BK
-    if AHEAD:  # group i + 1's product is issued before group i's is folded
-        nxt = gl.zeros((_SUB_M, BN), gl.float32, layout=layout)
-        a_s, w_s = _group_scales(as_p, w_row, m_ok, 0, scale_cols, stride_sk, BK, BLOCK_W)
-        mbarrier.wait(ready.index(0), 0)
-        prod = warpgroup_mma(a_bufs.index(half), w_bufs.index(0).permute((1, 0)), prod, use_acc=False,
-                             is_async=True)
-        for i in range(1, groups):
-            slot = i % NUM_STAGES
-            a_next, w_next = _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK, BLOCK_W)
-            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-            nxt = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), nxt,
-                                use_acc=False, is_async=True)
-            prod = warpgroup_mma_wait(1, deps=(prod, ))  # group i - 1's product is done
-            mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
-            acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
-            prod, nxt = nxt, prod
-            a_s, w_s = a_next, w_next
+    for i in range(K // BK):
+        slot = i % NUM_STAGES
+        a_s = gl.load(as_p + i, mask=m_ok, other=0.0)
+        if BLOCK_W:
+            w_s = gl.load(w_row + (i * BK // scale_cols) * stride_sk)
+        mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+        prod = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), prod,
+                             use_acc=False, is_async=True)
         prod = warpgroup_mma_wait(0, deps=(prod, ))
-        mbarrier.arrive(empty.index((groups - 1) % NUM_STAGES), count=1)
-        acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
-    else:
-        for i in range(groups):
-            slot = i % NUM_STAGES
-            a_s, w_s = _group_scales(as_p, w_row, m_ok, i, scale_cols, stride_sk, BK, BLOCK_W)
-            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-            prod = warpgroup_mma(a_bufs.index(slot * NUM_CONSUMERS + half), w_bufs.index(slot).permute((1, 0)), prod,
-                                 use_acc=False, is_async=True)
-            prod = warpgroup_mma_wait(0, deps=(prod, ))
-            mbarrier.arrive(empty.index(slot), count=1)
-            acc = _fold(acc, prod, a_s, w_s, w_cols, BLOCK_W)
+        mbarrier.arrive(empty.index(slot), count=1)
+        # acc = fma(dot, s_a * s_w, acc): the Triton kernel's arithmetic (and cuBLAS's)
+        if BLOCK_W:
+            acc += prod * (a_s[:, None] * w_s)
+        else:
+            acc += prod * (a_s[:, None] * w_cols[None, :])
     c_p = c_ptr + rm[:, None].to(gl.int64) * stride_c + rn[None, :]
     gl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -166,7 +124,7 @@ def _second_consumer(descs, bufs, bars, scalars, ptrs):
 @gluon.jit
 def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, stride_as, stride_sn, stride_sk, stride_c,
                      scale_rows, scale_cols, NUM_STAGES: gl.constexpr, GROUP_TILES: gl.constexpr,
-                     BLOCK_W: gl.constexpr, AHEAD: gl.constexpr):
+                     BLOCK_W: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0] * 2
     BN: gl.constexpr = w_desc.block_type.shape[0]
     # Grouped tile order (`tiles.grouped_tile`): GROUP_TILES row tiles walk the column tiles together.
@@ -186,10 +144,9 @@ def _fp8_gemm_kernel(a_desc, w_desc, as_ptr, s_ptr, c_ptr, M, N, K, stride_as, s
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
-    # The partitions' arguments arrive as runtime values, so whether the weight has block scales and
-    # the consumers issue ahead travels in this (unused) buffer's shape, 2 along the first or the
-    # second dimension for each.
-    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 2 if AHEAD else 1],
+    # The partitions' arguments arrive as runtime values, so whether the weight has block scales
+    # travels in this (unused) buffer's shape: 2 rows for blocks.
+    flags = gl.allocate_shared_memory(gl.int8, [2 if BLOCK_W else 1, 1],
                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     bufs = (a_bufs, w_bufs, flags)
     bars = (ready, empty)
@@ -216,6 +173,6 @@ def hopper_fp8_mm(q: torch.Tensor, q_scale: torch.Tensor, w: Fp8Weight, out: tor
     _fp8_gemm_kernel[grid](
         _descriptor(q, SUB_M), _descriptor(w.data, BLOCK_N), q_scale, w.scale, out, m, n, k,
         q_scale.stride(0), w.scale.stride(0), stride_sk, out.stride(0), w.scale_rows, w.scale_cols,
-        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), AHEAD=ISSUE_AHEAD, num_warps=4,
+        NUM_STAGES=STAGES, GROUP_TILES=GROUP_M, BLOCK_W=_block_scales(w), num_warps=4,
         maxnreg=MAX_REGISTERS)
     return out
