@@ -159,13 +159,17 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, part_ptr, lock_ptr, M, 
             tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next product
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8 [M, K], float32 scales [M, ceil(K / GROUP)]): each row's GROUP-column groups
-    scaled so their largest magnitude maps to 448."""
+    scaled so their largest magnitude maps to 448. With `rows` beyond M, that many rows, the
+    ones past M zero with scale 1."""
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    q = torch.empty((max(m, rows), k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((max(m, rows), groups), dtype=torch.float32, device=x.device)
+    if rows > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
     if m:
         per_program = min(QUANTIZE_GROUPS, triton.next_power_of_2(groups))
         _quantize_rows_kernel[(m, triton.cdiv(groups, per_program))](
@@ -215,6 +219,11 @@ HOPPER_MIN_ROWS = 1024
 # 0.378 / 0.250 / 1.444 / 0.733 ms (q/k/v, o_proj, gate/up, down_proj) against the Gluon kernel's
 # 0.797 / 0.536 / 2.305 / 1.494 with it (2026-12-07, `gpu-bench.py fp8-kernels`).
 CUBLAS_MIN_ROWS = 1024
+# cuBLAS reads the column-major scale matrices with a leading dimension of a multiple of this:
+# it refuses activation scales of other row counts (CUBLAS_STATUS_NOT_SUPPORTED; fp8_mm pads the
+# rows with zeros) and misreads weight scales of other K / 128 without an error (H100, CUDA 13.0:
+# K = 384 gave 14% of the outputs' bits), so such weights stay on kvtool's kernels.
+CUBLAS_SCALE_MULTIPLE = 4
 # Products of up to this many rows whose K is not spread over parts may quantise their
 # activations inside the product's programs (one launch instead of two per projection); others
 # are quantised once by `quantize_rows` first (the parts' folding program reads the scales back).
@@ -237,10 +246,10 @@ def k_split(n: int, k: int) -> int:
 def cublas_usable(x: torch.Tensor, w: Fp8Weight) -> bool:
     """Whether cuBLAS's block-scaled FP8 product gives this product's bits: a Hopper GPU (the one
     its arithmetic was checked on), bf16 activations, and weight scales in 128 x 128 blocks over
-    whole blocks of N and K."""
+    whole blocks of N and K, K / 128 a multiple of CUBLAS_SCALE_MULTIPLE."""
     n, k = w.data.shape
     return (x.dtype == torch.bfloat16 and w.scale_rows == GROUP and w.scale_cols == GROUP and n % GROUP == 0
-            and k % GROUP == 0 and w.scale.shape == (n // GROUP, k // GROUP) and w.scale.is_contiguous()
+            and k % (GROUP * CUBLAS_SCALE_MULTIPLE) == 0 and w.scale.shape == (n // GROUP, k // GROUP) and w.scale.is_contiguous()
             and w.data.is_contiguous() and is_hopper(x.device))
 
 
@@ -251,10 +260,12 @@ def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | No
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None and m >= CUBLAS_MIN_ROWS and cublas_usable(x, w):
-        q, q_scale = quantize_rows(x)
+        # cuBLAS's block-scaled product takes a multiple of CUBLAS_SCALE_MULTIPLE rows; the rows
+        # added are zeros, and each row's result does not depend on the others
+        q, q_scale = quantize_rows(x, rows=triton.cdiv(m, CUBLAS_SCALE_MULTIPLE) * CUBLAS_SCALE_MULTIPLE)
         # cuBLAS takes the activation scales column-major and the weight's as [K / 128, N / 128]
         return torch._scaled_mm(q, w.data.t(), scale_a=q_scale.t().contiguous().t(), scale_b=w.scale.t(),
-                                out_dtype=x.dtype)
+                                out_dtype=x.dtype)[:m]
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return c

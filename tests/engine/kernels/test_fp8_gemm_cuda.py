@@ -189,7 +189,7 @@ def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
     x = torch.randn(8192, k, device=DEV, generator=g).bfloat16()
     full = fp8_gemm.fp8_mm(x, w)
     assert calls == [8192]
-    for m in (fp8_gemm.CUBLAS_MIN_ROWS, 1025, 1500, 2048, 4097, 8192):
+    for m in (fp8_gemm.CUBLAS_MIN_ROWS, 1025, 1026, 1027, 1500, 2048, 4097, 8192):
         triton_tiles = fp8_gemm.config_for(m, n, sm_count(DEV), k)
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w, triton_tiles), full[:m]), m
         assert torch.equal(fp8_gemm.fp8_mm(x[-m:], w), full[-m:]), m
@@ -202,6 +202,21 @@ def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
     for m in (1, 8, 9, 65, fp8_gemm.CUBLAS_MIN_ROWS - 1):
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), full[:m]), m
     assert calls == []
+
+
+@pytest.mark.parametrize("n,k", [(512, 256), (1024, 384), (256, 768)])
+def test_weights_whose_scales_cublas_misreads_keep_the_kernels_bits(n, k):
+    """cuBLAS misreads weight scales whose K / 128 is not a multiple of CUBLAS_SCALE_MULTIPLE (no
+    error, other bits): such weights run kvtool's kernels at every row count."""
+    from kvtool.engine.kernels import fp8_gemm
+    from kvtool.engine.kernels.tiles import sm_count
+
+    w = weight(n, k, "block", seed=5)
+    assert not fp8_gemm.cublas_usable(torch.empty(1, k, device=DEV, dtype=torch.bfloat16), w)
+    x = torch.randn(2050, k, device=DEV).bfloat16()
+    for m in (fp8_gemm.CUBLAS_MIN_ROWS, 2050):
+        tiles = fp8_gemm.config_for(m, n, sm_count(DEV), k)
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), fp8_gemm.fp8_mm(x[:m], w, tiles)), m
 
 
 @pytest.mark.parametrize("n,k", [(24576, 4096), (1000, 640)])
