@@ -249,8 +249,8 @@ def cublas_usable(x: torch.Tensor, w: Fp8Weight) -> bool:
     whole blocks of N and K, K / 128 a multiple of CUBLAS_SCALE_MULTIPLE."""
     n, k = w.data.shape
     return (x.dtype == torch.bfloat16 and w.scale_rows == GROUP and w.scale_cols == GROUP and n % GROUP == 0
-            and k % (GROUP * CUBLAS_SCALE_MULTIPLE) == 0 and w.scale.shape == (n // GROUP, k // GROUP) and w.scale.is_contiguous()
-            and w.data.is_contiguous() and is_hopper(x.device))
+            and k % (GROUP * CUBLAS_SCALE_MULTIPLE) == 0 and w.scale.shape == (n // GROUP, k // GROUP)
+            and w.scale.is_contiguous() and w.data.is_contiguous() and is_hopper(x.device))
 
 
 def fp8_mm(x: torch.Tensor, w: Fp8Weight, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
