@@ -288,8 +288,8 @@ def test_slot_transfers_load_and_store(scattered):
     try:
         dst = torch.randperm(300)[:64].tolist() if scattered else list(range(100, 164))
         pairs = list(zip(range(8, 72), dst))
-        t.load(pairs, layerwise=False)
-        t.finish_loads()
+        ticket = t.load(pairs, layerwise=False)
+        assert t.completed_loads(wait=True) == [ticket] and t.loads == []
         torch.cuda.synchronize()
         for src, d in pairs:
             assert torch.equal(pages.tensor[d].cpu(), flat[src])
@@ -333,7 +333,9 @@ def test_layerwise_loads_through_the_copy_engine(scattered, per):
         for src, d in pairs:
             assert torch.equal(pages.tensor[d, :, :per].cpu(), flat[src, :, :per])
         assert len(set(t.layer_events)) == -(-geo.num_layers // per)
-        t.finish_loads()
+        ticket = t.load(pairs, layerwise=True)  # a second step's loads, queued behind the first's
+        done = t.completed_loads(wait=True)
+        assert done[-1] is ticket and len(done) == 2 and t.loads == []
         for src, d in pairs:
             assert torch.equal(pages.tensor[d].cpu(), flat[src])
         assert bool(t.staging) == scattered

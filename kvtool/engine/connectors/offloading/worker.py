@@ -18,7 +18,9 @@ pages' layer dimension holds slots (`kv.groups`), and the layerwise copies move 
 block at a time: layer l waits for its slot's loads, and a slot is saved once the last layer in
 it has written its K/V.
 
-Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
+The host never waits for a step's loads: their jobs are reported finished (their slots free
+again) once a later step finds their event complete, so a step with loads keeps the scheduler
+running ahead of the device. Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
 `order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
 forward must run eagerly (layerwise loads or saves) instead of replaying a CUDA graph.
 """
@@ -68,7 +70,7 @@ class OffloadingWorker(WorkerHalf):
         # False: whole blocks through the copy engine, loads before the forward, saves after it.
         self.layerwise = settings.layerwise
         self.transfers: SlotTransfers | None = None
-        self._load_jobs: list[int] = []  # queued loads, finished when this step's loads are done
+        self._load_jobs: list[int] = []  # this step's queued loads, handed to their ticket
         self._layerwise_step = False
         # This step's save run layer by layer: (page block, pool block) pairs and their device copy.
         self._layer_save: tuple[list[tuple[int, int]], torch.Tensor] | None = None
@@ -150,6 +152,7 @@ class OffloadingWorker(WorkerHalf):
     def start_load_kv(self) -> None:
         pages = self.kv_pages
         self._reap_stores()
+        self._reap_loads()
         bad_slots: set[int] = set()
         pairs: list[tuple[int, int]] = []
         bps = self.pool.blocks_per_slot
@@ -200,7 +203,8 @@ class OffloadingWorker(WorkerHalf):
                 layerwise = self.layerwise or len(pairs) >= LAYER_GROUP_LOAD_MIN_BLOCKS
             else:
                 layerwise = self.layerwise and t.can_copy_layerwise()
-            t.load(pairs, layerwise)
+            t.load(pairs, layerwise).job_ids.extend(self._load_jobs)
+            self._load_jobs = []
             self._layerwise_step = layerwise
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -213,15 +217,17 @@ class OffloadingWorker(WorkerHalf):
         if self.transfers is not None and self.transfers.stores:
             self.transfers.order_page_writes(block_ids)
 
-    def _finish_loads(self) -> None:
-        if self.transfers is not None and self._load_jobs:
-            self.stats.load_s += self.transfers.finish_loads()
-            self._finish_jobs(self._load_jobs)
-            self._load_jobs = []
-        self._layerwise_step = False
+    def _reap_loads(self, wait: bool = False) -> None:
+        """Report the jobs of finished loads (their slots are free again) and count their GPU time."""
+        if self.transfers is None:
+            return
+        for t in self.transfers.completed_loads(wait):
+            self.stats.load_s += t.start.elapsed_time(t.event) / 1000.0
+            self._finish_jobs(t.job_ids)
 
     def wait_for_save(self) -> None:
-        self._finish_loads()
+        self._layerwise_step = False
+        self._reap_loads()
         self.pending_writes = [f for f in self.pending_writes if not f.done()]
         failed = self._failed_requests()
         pairs: list[tuple[int, int]] = []
@@ -284,14 +290,15 @@ class OffloadingWorker(WorkerHalf):
             self._finish_jobs(t.job_ids)
 
     def flush(self) -> None:
-        """Wait until every queued store is in the CPU tier and every disk write is on disk."""
+        """Wait until every queued load and store is done and every disk write is on disk."""
+        self._reap_loads(wait=True)
         self._reap_stores(wait=True)
         for f in self.pending_writes:
             f.result()
         self.pending_writes = []
 
     def shutdown(self) -> None:
-        self._finish_loads()
+        self._reap_loads(wait=True)
         self._reap_stores(wait=True)
         if self.writer is not None:
             self.writer.shutdown(wait=True)

@@ -106,6 +106,16 @@ def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 @dataclass
+class LoadTicket:
+    """One step's loads: done when `event` has completed."""
+
+    event: torch.cuda.Event
+    start: torch.cuda.Event
+    # The load jobs whose copies this ticket carries (their slots are free once it completes).
+    job_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class StoreTicket:
     """One step's stores: done when `event` has completed."""
 
@@ -138,9 +148,7 @@ class SlotTransfers:
         self.copy_stream = torch.cuda.Stream(device, priority=-1)
         self.staging: list[torch.Tensor] = []
         self.layer_events: list[torch.cuda.Event] = []
-        self.load_start: torch.cuda.Event | None = None
-        self.load_end: torch.cuda.Event | None = None
-        self.load_bytes = 0
+        self.loads: list[LoadTicket] = []  # queued loads, oldest first
         self.stores: list[StoreTicket] = []
         self.last_store: torch.cuda.Event | None = None
         self._layer_store_start: torch.cuda.Event | None = None
@@ -186,7 +194,7 @@ class SlotTransfers:
                 self._rows_ok = torch.equal(scratch.cpu().view(torch.uint8), expected)
         return self._rows_ok
 
-    def load(self, pairs: list[tuple[int, int]], layerwise: bool) -> None:
+    def load(self, pairs: list[tuple[int, int]], layerwise: bool) -> LoadTicket:
         """Queue copies of pool blocks into page blocks, (flat pool block, page block) each.
 
         The compute stream waits for them before the forward, or per layer (`wait_layer`):
@@ -197,13 +205,12 @@ class SlotTransfers:
         ls.wait_stream(compute)
         if self.last_store is not None:
             ls.wait_event(self.last_store)
-        self.load_start = torch.cuda.Event(enable_timing=True)
-        self.load_end = torch.cuda.Event(enable_timing=True)
-        self.load_bytes = len(pairs) * self.block_bytes
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
         self.layer_events = []
         pages = self.page_tensor
         with torch.cuda.stream(ls):
-            self.load_start.record(ls)
+            start.record(ls)
             if layerwise and self.can_copy_rows():
                 self._load_layers(pairs)
             elif layerwise:
@@ -219,9 +226,12 @@ class SlotTransfers:
                 else:
                     for src, dst, n in runs:
                         pages[dst : dst + n].copy_(self.pool[src : src + n], non_blocking=True)
-            self.load_end.record(ls)
+            end.record(ls)
         if not layerwise:
-            compute.wait_event(self.load_end)
+            compute.wait_event(end)
+        ticket = LoadTicket(end, start)
+        self.loads.append(ticket)
+        return ticket
 
     def device_index(self, values: np.ndarray) -> torch.Tensor:
         """`values` (int64) on the device, copied on the current stream through reused pinned buffers."""
@@ -330,15 +340,19 @@ class SlotTransfers:
         if self.layer_events:
             torch.cuda.current_stream(self.pages.device).wait_event(self.layer_events[layer])
 
-    def finish_loads(self) -> float:
-        """Block until the queued loads are done (their slots may then be reused). Returns their GPU seconds."""
-        if self.load_end is None:
-            return 0.0
-        self.load_end.synchronize()
-        seconds = self.load_start.elapsed_time(self.load_end) / 1000.0
-        self.load_start = self.load_end = None
-        self.layer_events = []
-        return seconds
+    def completed_loads(self, wait: bool = False) -> list[LoadTicket]:
+        """Remove and return the load tickets whose copies are done (all of them when `wait`):
+        their slots may then be reused. The host does not wait for a step's loads unless asked,
+        so it keeps scheduling ahead of the device while they run."""
+        done = []
+        for t in self.loads:
+            if wait:
+                t.event.synchronize()
+            elif not t.event.query():
+                break  # one load stream: later tickets cannot be done before this one
+            done.append(t)
+        self.loads = self.loads[len(done):]
+        return done
 
     # ---- stores --------------------------------------------------------------------------------
 
