@@ -86,6 +86,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     load_s: float = 0.0
     store_s: float = 0.0
     load_failures: int = 0
+    store_skipped_chunks: int = 0  # chunks not stored: the store's backlog held every staging buffer
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_running: int = 0

@@ -125,6 +125,9 @@ class _EngineStatsCollector(Collector):
         yield self._counter("kvtool:connector_stored_tokens", "Tokens of KV stored through the connector.",
                             s.external_tokens_stored)
         yield self._counter("kvtool:connector_load_failures", "External KV loads that failed (any policy).", s.load_failures)
+        yield self._counter("kvtool:connector_store_skipped_chunks",
+                            "Chunks not stored because the store's backlog held every staging buffer.",
+                            s.store_skipped_chunks)
         yield self._gauge("kvtool:kv_cache_blocks", "KV blocks in the engine's cache.", s.num_blocks)
         yield self._gauge("kvtool:kv_cache_free_blocks", "KV blocks free (evictable cached blocks included).",
                           s.num_free_blocks)

@@ -85,6 +85,22 @@ def lmcache_config(url: str, policy: str = "fail") -> str:
                        "kv_load_failure_policy": policy, "kv_connector_extra_config": {"remote_url": url}})
 
 
+def with_whole_stores(arm: Arm) -> Arm:
+    """An LMCacheConnector arm whose steps wait for staging memory rather than leave chunks
+    unstored (`force_store_wait`), where its own config does not say: a measurement that fills a
+    store and then counts its hits needs every chunk of the fill in it."""
+    if arm.kv_transfer_config is None:
+        return arm
+    doc = json.loads(arm.kv_transfer_config)
+    if doc.get("kv_connector") not in ("LMCacheConnector", "LMCacheConnectorV1"):
+        return arm
+    extra = doc.setdefault("kv_connector_extra_config", {})
+    if "force_store_wait" in extra:
+        return arm
+    extra["force_store_wait"] = True
+    return msgspec.structs.replace(arm, kv_transfer_config=json.dumps(doc))
+
+
 def make_builtin_arm(name: str, *, disk_root: str | Path | None = None, lmcache_url: str | None = None,
                      store_urls: dict[str, str] | None = None) -> Arm:
     """The built-in arm `name`. `disk` needs `disk_root`, `lmcache` needs `lmcache_url`, the Redis

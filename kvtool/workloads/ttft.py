@@ -37,7 +37,14 @@ from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.params import EngineParams, SamplingParams
 from kvtool.engine.presets.default_model import resolve_model_path
-from kvtool.workloads.arms import REFERENCE_ARM, Arm, hit_source, hit_unit_tokens, served_prefix_tokens
+from kvtool.workloads.arms import (
+    REFERENCE_ARM,
+    Arm,
+    hit_source,
+    hit_unit_tokens,
+    served_prefix_tokens,
+    with_whole_stores,
+)
 from kvtool.workloads.figures import percentile, to_ms
 from kvtool.workloads.replay import arm_params
 from kvtool.workloads.trace_pass import flush_connector, free_device_memory, reset_prefix_cache
@@ -158,7 +165,8 @@ def run_ttft_grid(
         from kvtool.workloads.arms import make_builtin_arm
 
         arms = [make_builtin_arm(REFERENCE_ARM), *arms]
-    arms = sorted(arms, key=lambda a: a.name != REFERENCE_ARM)
+    # The fill pass must leave every chunk in the store for the measured passes to hit.
+    arms = sorted((with_whole_stores(a) for a in arms), key=lambda a: a.name != REFERENCE_ARM)
     axes = [(n, f, c) for n in settings.prompt_lens for f in settings.hit_fractions for c in settings.concurrency]
     prompts = {ax: _cell_prompts(*ax, settings.repeats, settings.seed) for ax in axes}
     salt = f"kvtool-bench-{uuid.uuid4().hex[:16]}"

@@ -78,6 +78,8 @@ class TransferStats(msgspec.Struct, kw_only=True):
     load_s: float = 0.0
     store_s: float = 0.0
     load_failures: int = 0
+    # Chunks a step did not store because the store's backlog held every staging buffer.
+    store_skipped_chunks: int = 0
     # Per request: tokens actually loaded into / stored out of the pages this step.
     tokens_loaded: dict[str, int] = {}
     tokens_stored: dict[str, int] = {}

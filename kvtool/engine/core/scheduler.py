@@ -453,6 +453,7 @@ class Scheduler:
         self.stats.bytes_stored += st.bytes_stored
         self.stats.load_s += st.load_s
         self.stats.store_s += st.store_s
+        self.stats.store_skipped_chunks += st.store_skipped_chunks
         for rid, n in st.tokens_loaded.items():
             self.stats.external_tokens_loaded += n
             req = self.requests.get(rid)

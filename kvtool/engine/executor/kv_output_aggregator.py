@@ -9,7 +9,8 @@ done its part, and the ranks may finish in different steps (stores land in the b
 * invalid blocks (failed loads): the union, with the first reason given for each;
 * bytes and seconds of the transfer stats: summed (the work of all ranks); the per-request token
   counts: rank 0's (every rank moves the same tokens, maybe in another step, so a sum or a
-  per-step maximum would count a token more than once); failed loads: the most of any rank.
+  per-step maximum would count a token more than once); failed loads and chunks not stored: the
+  most of any rank.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def merge_stats(parts: list[TransferStats]) -> TransferStats:
         load_s=sum(p.load_s for p in parts),
         store_s=sum(p.store_s for p in parts),
         load_failures=max(p.load_failures for p in parts),
+        store_skipped_chunks=max(p.store_skipped_chunks for p in parts),
         tokens_loaded=dict(parts[0].tokens_loaded),
         tokens_stored=dict(parts[0].tokens_stored),
         tokens_loaded_from_disk=dict(parts[0].tokens_loaded_from_disk),

@@ -456,10 +456,16 @@ class LMCacheWorker(WorkerHalf):
         if self._staging is None:
             g = self.geometry
             chunk_bytes = 2 * self.num_slots * self.chunk_tokens * g.kv_hidden_size * self.dtype.itemsize
-            self._staging = StoreStaging(self.kv_pages, chunk_bytes)
+            self._staging = StoreStaging(self.kv_pages, chunk_bytes, int(self.settings.max_local_cpu_size * (1 << 30)),
+                                         wait=self.settings.force_store_wait)
         staged = self._staging.stage([(job.block_ids, job.end - job.start) for job in jobs])
         with self._stats_lock:
             self.stats.store_s += time.perf_counter() - t0
+            # Every staging buffer in flight: the chunks from there on are not stored (store_staging).
+            self.stats.store_skipped_chunks += len(jobs) - len(staged.hosts)
+        jobs = jobs[: len(staged.hosts)]
+        if not jobs:
+            return
         self.pending_puts = [f for f in self.pending_puts if not f.done()]
         self.pending_puts.append(self.putter.submit(self._put_staged, jobs, staged))
 

@@ -19,6 +19,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 65432
 MAX_CONNECTIONS = 64
 MAX_TIMEOUT_S = 600.0
+MAX_LOCAL_CPU_GB = 1 << 14
 # A DNS name is at most 253 characters; an IPv6 literal far less.
 MAX_HOST_CHARS = 253
 _HOST = re.compile(r"[A-Za-z0-9_.\-:%]+")
@@ -52,6 +53,12 @@ LMCACHE_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="verify_payload", kind="bool",
              doc="store a digest beside each chunk and refuse a chunk whose payload disagrees; "
                  "default true in blake3 mode, false in the peer modes (vllm, builtin, sha256)"),
+    ExtraKey(name="max_local_cpu_size", kind="float", default=5.0, aliases=("lmcache.max_local_cpu_size",),
+             low=0.0, low_open=True, high=MAX_LOCAL_CPU_GB,
+             doc="GB of pinned host memory for chunks on their way to the store (LMCache's key and default)"),
+    ExtraKey(name="force_store_wait", kind="bool", default=False,
+             doc="when that memory is full, the step waits and every chunk is stored (LMCache's extra_config "
+                 "key); false, the default: the step's chunks from there on are not stored"),
     ExtraKey(name="valkey_enable_ttl", kind="bool", default=False, doc="valkey:// only: write every key with an expiry"),
     ExtraKey(name="valkey_ttl_sec", kind="int", low=1, high=10 * 365 * 86400,
              doc="that expiry in seconds; default 86400, as LMCache's"),
@@ -78,6 +85,8 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lookup_timeout_s: float = 5.0  # a request runs without its hit once its lookup took this long
     peer_backoff_s: float = 10.0  # a peer that missed a deadline fails fast for this long
     verify_payload: bool | None = None  # a digest object beside each chunk (payload_digest.py); None: on in blake3 mode
+    max_local_cpu_size: float = 5.0  # GB of pinned buffers for chunks on their way to the store (store_staging.py)
+    force_store_wait: bool = False  # those buffers full: wait (every chunk stored) instead of not storing
     valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
     valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
 

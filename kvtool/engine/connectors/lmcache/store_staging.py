@@ -6,9 +6,13 @@ into pageable memory, through the driver's bounce buffers, while the step waits:
 8k-token prompt of Qwen3-8B. Here each chunk is gathered on the device and copied into a pinned
 staging buffer by a copy stream of its own, after its gather; the step goes on at once, and the
 PUT thread waits for the copies' event before it sends. A buffer goes back to the pool once
-its chunk was sent (or failed). At most MAX_BUFFERS chunks are staged at a time; a chunk past
-that is copied the old way (pageable, the step waiting), never held until the store drains, so
-a slow store never stalls a step. On a CPU engine the gathered tensor is the host copy.
+its chunk was sent (or failed). The buffers hold at most `max_bytes` (LMCache's
+max_local_cpu_size, 5 GB by default), allocated as they are first needed. When every buffer is
+in flight (a store slower than the steps make chunks), the step's chunks from there on are not
+stored, as LMCache stores only the chunks its local CPU memory has room for ("Local cpu memory
+under pressure"): a slow store never stalls a step, and a chunk not stored is a miss later,
+nothing worse. With `wait` (LMCache's force_store_wait) they are copied the pageable way instead,
+the step waiting, and every chunk is stored. On a CPU engine the gathered tensor is the host copy.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import torch
 
 from kvtool.engine.kv.pages import KVPages
 
-# Pinned staging buffers, each one chunk, at most (about 1.2 GB for Qwen3-8B's 256-token chunks).
-MAX_BUFFERS = 32
+# Bytes of pinned staging buffers, by default: LMCache's default max_local_cpu_size, 5 GB (135 of
+# Qwen3-8B's 256-token chunks).
+DEFAULT_MAX_BYTES = 5 << 30
 
 
 @dataclass(slots=True)
@@ -40,10 +45,12 @@ class StagedChunks:
 
 
 class StoreStaging:
-    def __init__(self, kv_pages: KVPages, chunk_bytes: int, max_buffers: int = MAX_BUFFERS) -> None:
+    def __init__(self, kv_pages: KVPages, chunk_bytes: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                 wait: bool = False) -> None:
         self.kv_pages = kv_pages
         self.chunk_bytes = chunk_bytes  # the bytes of a whole chunk: every buffer holds one
-        self.max_buffers = max_buffers
+        self.max_buffers = max(1, max_bytes // chunk_bytes)
+        self.wait = wait  # no free buffer: the pageable copy, the step waiting (else: not stored)
         self.device = kv_pages.device
         self._free: list[torch.Tensor] = []
         self._allocated = 0
@@ -51,9 +58,10 @@ class StoreStaging:
         self._stream: torch.cuda.Stream | None = None
 
     def stage(self, chunks: Sequence[tuple[Sequence[int], int]]) -> StagedChunks:
-        """Host copies of the chunks given as (block ids, tokens), in that order. A chunk is gathered
-        on the device only when its copy is next, so the device holds at most the staged chunks'
-        gathers (until the copy stream has read them) and one more."""
+        """Host copies of the chunks given as (block ids, tokens), in that order, as far as buffers
+        are free: without `wait`, `hosts` may be shorter than `chunks` (those after it are not
+        stored). A chunk is gathered on the device only when its copy is next, so the device holds
+        at most the staged chunks' gathers (until the copy stream has read them) and one more."""
         if self.device.type != "cuda":
             return StagedChunks([self.kv_pages.gather(blocks, "KV_2LTD", n) for blocks, n in chunks], None, [])
         if self._stream is None:
@@ -64,7 +72,9 @@ class StoreStaging:
             data = self.kv_pages.gather(blocks, "KV_2LTD", n)
             nbytes = data.numel() * data.element_size()
             buf = self._take(nbytes)
-            if buf is None:  # every buffer is in flight: the pageable copy, the step waiting
+            if buf is None and not self.wait:  # every buffer in flight: this chunk and those after it are not stored
+                break
+            if buf is None:  # force_store_wait: the pageable copy, the step waiting
                 hosts.append(data.cpu())
                 continue
             gathered = torch.cuda.Event()

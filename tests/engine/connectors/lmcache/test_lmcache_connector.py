@@ -140,3 +140,32 @@ def test_more_chunks_than_load_buffers(make_engine, lmcache_server):
     r = reader.generate([p], GREEDY)[0]
     assert r.stats.num_external_loaded_tokens == 592
     assert r.output_token_ids == ref.output_token_ids
+
+
+def test_a_store_backlog_skips_the_steps_remaining_chunks_never_stalls_it(make_engine, lmcache_server, monkeypatch):
+    """When a slow store's backlog holds every staging buffer (StoreStaging.stage stages fewer
+    chunks than asked), the step's chunks from there on are not stored, as LMCache stores only the
+    chunks its CPU memory has room for: the skip is counted, the staged prefix is
+    stored and served, and the output is the one without reuse."""
+    from kvtool.engine.connectors.lmcache import store_staging
+
+    staged_at_most = 3
+    stage = store_staging.StoreStaging.stage
+
+    def full_pool(self, chunks):
+        return stage(self, chunks[:staged_at_most])
+
+    monkeypatch.setattr(store_staging.StoreStaging, "stage", full_pool)
+    p = prompt(200, 9)  # 12 whole chunks of 16 tokens
+    ref = make_engine().generate([p], GREEDY)[0]
+    ktc = parse_kv_transfer_config(lm_config(lmcache_server, chunk_tokens=16))
+    writer = make_engine(kv_transfer_config=ktc)
+    writer.generate([p], GREEDY)
+    writer.executor.worker.connector.flush()
+    stats = writer.stats()
+    assert stats.store_skipped_chunks == 12 - staged_at_most
+    assert stats.external_tokens_stored == 16 * staged_at_most
+    reader = make_engine(kv_transfer_config=ktc)
+    r = reader.generate([p], GREEDY)[0]
+    assert r.stats.num_external_loaded_tokens == 16 * staged_at_most
+    assert r.output_token_ids == ref.output_token_ids

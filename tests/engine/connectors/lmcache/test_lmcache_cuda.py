@@ -81,8 +81,9 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
 
 def test_stored_chunks_are_staged_in_pinned_buffers_reused_after_their_put():
     """A CUDA engine's stored chunks: copied into pinned buffers by a copy stream (the host copies
-    equal the gathers once `wait` returns), at most `max_buffers` at a time (the rest copied the
-    pageable way, never held back), and the buffers reused once released."""
+    equal the gathers once `wait` returns), at most `max_bytes` of buffers at a time (the chunks
+    after those are not staged, never held back: they are not stored; with `wait`, LMCache's
+    force_store_wait, they are copied the pageable way), and the buffers reused once released."""
     from kvtool.engine.connectors.lmcache.store_staging import StoreStaging
     from kvtool.engine.kv.pages import KVGeometry, KVPages
 
@@ -90,14 +91,18 @@ def test_stored_chunks_are_staged_in_pinned_buffers_reused_after_their_put():
     pages = KVPages(g, 40, torch.device("cuda"))
     pages.tensor.copy_(torch.randn(pages.tensor.shape, device="cuda"))
     chunk_bytes = 2 * 3 * 64 * 2 * 64 * 2  # 64-token chunks
-    staging = StoreStaging(pages, chunk_bytes, max_buffers=2)
     chunks = [([4 * i + j for j in range(4)], 64) for i in range(4)] + [([30, 31], 20)]
-    for _ in range(2):
-        staged = staging.stage(chunks)
-        staged.wait()
-        assert len(staged.buffers) == 2 and all(b.is_pinned() for b in staged.buffers)
-        assert staged.hosts[0].is_pinned() and not staged.hosts[2].is_pinned()
-        for host, (blocks, n) in zip(staged.hosts, chunks):
-            assert host.device.type == "cpu" and torch.equal(host, pages.gather(blocks, "KV_2LTD", n).cpu())
-        staging.release(staged)
-    assert staging._allocated == 2
+    for wait in (False, True):
+        staging = StoreStaging(pages, chunk_bytes, max_bytes=2 * chunk_bytes + 100, wait=wait)
+        for _ in range(2):
+            staged = staging.stage(chunks)
+            staged.wait()
+            assert len(staged.buffers) == 2 and all(b.is_pinned() for b in staged.buffers)
+            assert len(staged.hosts) == (len(chunks) if wait else 2)
+            assert staged.hosts[0].is_pinned() and (not staged.hosts[2].is_pinned() if wait else True)
+            for host, (blocks, n) in zip(staged.hosts, chunks):
+                assert host.device.type == "cpu" and torch.equal(host, pages.gather(blocks, "KV_2LTD", n).cpu())
+            if not wait:
+                assert staging.stage(chunks[2:]).hosts == []  # every buffer still in flight: nothing staged
+            staging.release(staged)
+        assert staging._allocated == 2

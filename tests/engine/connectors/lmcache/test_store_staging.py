@@ -20,3 +20,25 @@ def test_a_cpu_engines_chunks_are_their_gathers():
         assert host.device.type == "cpu" and host.is_contiguous()
         assert torch.equal(host, pages.gather(blocks, "KV_2LTD", n))
     staging.release(staged)
+
+
+def test_the_buffer_budget_is_lmcaches_max_local_cpu_size_in_whole_chunks():
+    """`max_local_cpu_size` (GB, 5 by default as LMCache's) over the chunk's bytes, at least one
+    buffer; the keys parse under their LMCache spellings and are refused out of range."""
+    import pytest
+
+    from kvtool.engine.connectors.lmcache.settings import parse_settings
+    from kvtool.engine.errors import ConfigError
+
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    pages = KVPages(g, 8, torch.device("cpu"))
+    assert StoreStaging(pages, chunk_bytes=1 << 20).max_buffers == 5 << 10
+    assert StoreStaging(pages, chunk_bytes=1 << 20, max_bytes=3 << 20).max_buffers == 3
+    assert StoreStaging(pages, chunk_bytes=1 << 20, max_bytes=10).max_buffers == 1
+    settings, _ = parse_settings({}, "m", "float32", 16)
+    assert settings.max_local_cpu_size == 5.0 and settings.force_store_wait is False
+    settings, _ = parse_settings({"lmcache.max_local_cpu_size": 0.5, "force_store_wait": True}, "m", "float32", 16)
+    assert settings.max_local_cpu_size == 0.5 and settings.force_store_wait is True
+    for bad in ({"max_local_cpu_size": 0}, {"max_local_cpu_size": "5g"}, {"force_store_wait": "yes"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            parse_settings(bad, "m", "float32", 16)
