@@ -103,7 +103,7 @@ class OffloadingWorker(WorkerHalf):
             self._finished.extend(job_ids)
 
     def take_completions(self) -> OffloadingCompletions | None:
-        self._reap_stores()
+        self._reap()
         evicted = self.disk.take_evicted() if self.disk is not None else []
         with self._done_lock:
             finished, self._finished = self._finished, []
@@ -151,8 +151,7 @@ class OffloadingWorker(WorkerHalf):
 
     def start_load_kv(self) -> None:
         pages = self.kv_pages
-        self._reap_stores()
-        self._reap_loads()
+        self._reap()
         bad_slots: set[int] = set()
         pairs: list[tuple[int, int]] = []
         bps = self.pool.blocks_per_slot
@@ -217,17 +216,9 @@ class OffloadingWorker(WorkerHalf):
         if self.transfers is not None and self.transfers.stores:
             self.transfers.order_page_writes(block_ids)
 
-    def _reap_loads(self, wait: bool = False) -> None:
-        """Report the jobs of finished loads (their slots are free again) and count their GPU time."""
-        if self.transfers is None:
-            return
-        for t in self.transfers.completed_loads(wait):
-            self.stats.load_s += t.start.elapsed_time(t.event) / 1000.0
-            self._finish_jobs(t.job_ids)
-
     def wait_for_save(self) -> None:
         self._layerwise_step = False
-        self._reap_loads()
+        self._reap()
         self.pending_writes = [f for f in self.pending_writes if not f.done()]
         failed = self._failed_requests()
         pairs: list[tuple[int, int]] = []
@@ -281,25 +272,26 @@ class OffloadingWorker(WorkerHalf):
         finally:
             self._finish_jobs([job_id])
 
-    def _reap_stores(self, wait: bool = False) -> None:
-        """Report the jobs of finished stores and count their GPU time."""
+    def _reap(self, wait: bool = False) -> None:
+        """Report the jobs of finished loads and stores (their slots are free again) and count
+        their GPU time; with `wait`, of every queued one."""
         if self.transfers is None:
             return
-        for t in self.transfers.completed_stores(wait):
-            self.stats.store_s += t.start.elapsed_time(t.event) / 1000.0
+        loads, stores = self.transfers.completed_loads(wait), self.transfers.completed_stores(wait)
+        self.stats.load_s += sum(t.start.elapsed_time(t.event) for t in loads) / 1000.0
+        self.stats.store_s += sum(t.start.elapsed_time(t.event) for t in stores) / 1000.0
+        for t in (*loads, *stores):
             self._finish_jobs(t.job_ids)
 
     def flush(self) -> None:
         """Wait until every queued load and store is done and every disk write is on disk."""
-        self._reap_loads(wait=True)
-        self._reap_stores(wait=True)
+        self._reap(wait=True)
         for f in self.pending_writes:
             f.result()
         self.pending_writes = []
 
     def shutdown(self) -> None:
-        self._reap_loads(wait=True)
-        self._reap_stores(wait=True)
+        self._reap(wait=True)
         if self.writer is not None:
             self.writer.shutdown(wait=True)
             self.pending_writes = []

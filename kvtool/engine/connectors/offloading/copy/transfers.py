@@ -105,6 +105,19 @@ def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _split_completed(tickets: list, wait: bool) -> tuple[list, list]:
+    """(the leading tickets whose event has completed, the rest) of one stream's tickets in
+    queue order; with `wait`, every ticket, once its event has completed."""
+    done = 0
+    for t in tickets:
+        if wait:
+            t.event.synchronize()
+        elif not t.event.query():
+            break  # one stream: later tickets cannot be done before this one
+        done += 1
+    return tickets[:done], tickets[done:]
+
+
 @dataclass
 class LoadTicket:
     """One step's loads: done when `event` has completed."""
@@ -344,14 +357,7 @@ class SlotTransfers:
         """Remove and return the load tickets whose copies are done (all of them when `wait`):
         their slots may then be reused. The host does not wait for a step's loads unless asked,
         so it keeps scheduling ahead of the device while they run."""
-        done = []
-        for t in self.loads:
-            if wait:
-                t.event.synchronize()
-            elif not t.event.query():
-                break  # one load stream: later tickets cannot be done before this one
-            done.append(t)
-        self.loads = self.loads[len(done):]
+        done, self.loads = _split_completed(self.loads, wait)
         return done
 
     # ---- stores --------------------------------------------------------------------------------
@@ -401,14 +407,7 @@ class SlotTransfers:
 
     def completed_stores(self, wait: bool = False) -> list[StoreTicket]:
         """Remove and return the store tickets whose copies are done (all of them when `wait`)."""
-        done = []
-        for t in self.stores:
-            if wait:
-                t.event.synchronize()
-            elif not t.event.query():
-                break  # one stream: later tickets cannot be done before this one
-            done.append(t)
-        self.stores = self.stores[len(done):]
+        done, self.stores = _split_completed(self.stores, wait)
         return done
 
     def order_page_writes(self, block_ids: np.ndarray) -> None:
