@@ -212,6 +212,26 @@ def test_a_steps_inputs_reach_the_device_before_its_loads_are_queued(cuda_engine
     assert events[:2] == [("pack", 0, [8]), ("load", 37, True)]
 
 
+def test_the_host_never_waits_for_a_steps_loads(cuda_engine):
+    """A step's CPU-tier loads are reaped by querying their event in later steps, never waited
+    for inside a step (that would take async scheduling's lead away); their slots come back once
+    the event has completed, and a flush waits for all of them."""
+    p = prompt(600)
+    engine = cuda_engine(kv_transfer_config=offload_config(num_cpu_blocks=64), enable_prefix_caching=False)
+    engine.generate([p], GREEDY)
+    engine.flush_connector()
+    transfers = engine.executor.worker.connector.transfers
+    waits = []
+    completed_loads = transfers.completed_loads
+    transfers.completed_loads = lambda wait=False: waits.append(wait) or completed_loads(wait)
+    hits = engine.generate([p, p[:593]], GREEDY)
+    assert [h.stats.num_external_loaded_tokens for h in hits] == [592, 592]
+    assert waits and not any(waits)
+    engine.flush_connector()
+    assert waits[-1] is True and transfers.loads == []
+    assert engine.stats().cpu_tier.num_pinned == 0
+
+
 def test_hits_compile_no_kernel_inside_a_request(cuda_engine):
     """Start-up compiles every kernel a hit runs, with and without the layer hooks of loads in
     groups of layers: a first hit that compiles takes seconds instead of milliseconds."""
