@@ -203,8 +203,10 @@ class OffloadingWorker(WorkerHalf):
             else:
                 layerwise = self.layerwise and t.can_copy_layerwise()
             t.load(pairs, layerwise).job_ids.extend(self._load_jobs)
-            self._load_jobs = []
             self._layerwise_step = layerwise
+        else:
+            self._finish_jobs(self._load_jobs)  # jobs of no block: nothing to wait for
+        self._load_jobs = []
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layerwise_step:
