@@ -1311,6 +1311,32 @@ def fp8_promotion(q, q_scale, w, kvtool_out, cublas_out, cublas_f32=None) -> dic
     return out
 
 
+def one_row_spreads(fp8_gemm, one, w, shipped) -> dict:
+    """One row's product with its K spread over other numbers of parts (`parts_P_ms`), and for
+    the weight's own spread with other numbers of groups in flight in the folding program
+    (`fold_ahead_A_ms`); `*_equal`: the shipped bits (the fold's order never changes)."""
+    import torch
+
+    n, k = w.data.shape
+    shipped_split, shipped_ahead = fp8_gemm.k_split, fp8_gemm.FOLD_AHEAD
+    out = {}
+    try:
+        for parts in (1, 2, 4, 8, 12):
+            if parts != shipped_split(n, k) and k % (fp8_gemm.GROUP * parts) == 0:
+                fp8_gemm.k_split = lambda n_, k_, p=parts: p
+                out[f"parts_{parts}_equal"] = torch.equal(fp8_gemm.fp8_mm(one, w), shipped)
+                out[f"parts_{parts}_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
+        fp8_gemm.k_split = shipped_split
+        if shipped_split(n, k) > 1:
+            for ahead in (4, 16, 32):
+                fp8_gemm.FOLD_AHEAD = ahead
+                out[f"fold_ahead_{ahead}_equal"] = torch.equal(fp8_gemm.fp8_mm(one, w), shipped)
+                out[f"fold_ahead_{ahead}_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
+    finally:
+        fp8_gemm.k_split, fp8_gemm.FOLD_AHEAD = shipped_split, shipped_ahead
+    return out
+
+
 def section_fp8_kernels():
     """The FP8 checkpoint GEMM on Qwen3-8B's block-wise FP8 projections at a decode batch's, a
     chunk's and a prefill's row counts, each replayed from a CUDA graph with the activations'
@@ -1322,8 +1348,10 @@ def section_fp8_kernels():
     for gate/up at 1024 rows which arithmetic cuBLAS folds each K group's product with
     (`fp8_promotion`). At one row, a decode step's product with its activations quantised inside it
     and apart (`fused_ms`, `unfused_ms`; the same for a weight whose K is spread over parts, which
-    always quantises apart). At the most rows the Gluon kernel is also timed with 2 to 6 K groups in
-    flight (`gluon_stages_ms`; a setting whose bits differ says so)."""
+    always quantises apart), the quantisation alone (`quantize_ms`), and `one_row_spreads`: K
+    spread over other numbers of parts, the fold with other numbers of groups in flight. At the
+    most rows the Gluon kernel is also timed with 2 to 6 K groups in flight (`gluon_stages_ms`; a
+    setting whose bits differ says so)."""
     import torch
     import torch.nn.functional as F
 
@@ -1351,6 +1379,8 @@ def section_fp8_kernels():
                 decode[f"{name}_ms"] = round(bench(lambda: fp8_gemm.fp8_mm(one, w)), 4)
         finally:
             fp8_gemm.FUSED_QUANTIZE_ROWS = shipped_fused
+        decode["quantize_ms"] = round(bench(lambda: fp8_gemm.quantize_rows(one)), 4)
+        decode.update(one_row_spreads(fp8_gemm, one, w, shipped))
         record("fp8-kernels", f"FP8 GEMM 8b N={n} K={k}, 1 row", decode["ms"] * 1e3, "us", None, n=n, k=k,
                rows=1, split=fp8_gemm.k_split(n, k), **decode)
         for rows in FP8_KERNEL_ROWS:
