@@ -20,9 +20,10 @@ it has written its K/V.
 
 The host never waits for a step's loads: their jobs are reported finished (their slots free
 again) once a later step finds their event complete, so a step with loads keeps the scheduler
-running ahead of the device. Stores may still read the pages when `wait_for_save` returns. The runner therefore calls
-`order_page_writes` with the blocks each step writes, and asks `has_layer_work` whether the
-forward must run eagerly (layerwise loads or saves) instead of replaying a CUDA graph.
+running ahead of the device. Stores may still read the pages when `wait_for_save` returns. The
+runner therefore calls `order_page_writes` with the blocks each step writes, and asks
+`has_layer_work` whether the forward must run eagerly (layerwise loads or saves) instead of
+replaying a CUDA graph.
 """
 
 from __future__ import annotations
