@@ -87,7 +87,8 @@ def test_lmcache_values_outside_their_range_are_refused(extra, needle):
         ({"group_idx": 1}, "group_idx must be an integer >= 0 and <= 0"),
         ({"layerwise": "yes"}, "layerwise must be true or false"),
         ({"root_dri": "kv-tier"},
-         "unknown key 'root_dri' (did you mean root_dir?); known keys: blocks_per_chunk, cpu_bytes_to_use,"),
+         "unknown key 'root_dri' (did you mean root_dir?)"),
+        ({"knobs": 1}, "unknown key 'knobs'; known keys: blocks_per_chunk, canonical_layout, cpu_bytes_to_use,"),
     ],
 )
 def test_offloading_values_outside_their_range_are_refused(extra, needle):
@@ -153,8 +154,10 @@ def test_refused_keys_are_refused_before_values_and_left_out_of_the_known_keys()
     assert parse_extra("C", keys, {"tiers": [1], "knobs": {"a": 1}}) == {"size": None, "tiers": [1], "knobs": {"a": 1}}
     with pytest.raises(ConfigError, match="^invalid C config: threads is not supported: one writer thread$"):
         parse_extra("C", keys, {"size": 0, "threads": 4})
-    with pytest.raises(ConfigError, match="known keys: knobs, size, tiers$"):
-        parse_extra("C", keys, {"thread": 4})
+    with pytest.raises(ConfigError, match="unknown key 'workers'; known keys: knobs, size, tiers$"):
+        parse_extra("C", keys, {"workers": 4})
+    with pytest.raises(ConfigError, match=r"unknown key 'sizes' \(did you mean size\?\)$"):
+        parse_extra("C", keys, {"sizes": 4})
     with pytest.raises(ConfigError, match="knobs must be a JSON object, got"):
         parse_extra("C", keys, {"knobs": [1]})
 

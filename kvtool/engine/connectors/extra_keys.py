@@ -1,8 +1,8 @@
 """Declared `kv_connector_extra_config` keys: each with a type, a default, aliases and a range.
 
 A connector lists its keys once (`ExtraKey`); `parse_extra` turns the user's dict into values
-or refuses it with one line: an unknown key names itself, the known keys and the closest one
-("did you mean root_dir?"); a value of the wrong type or outside its range names the key and
+or refuses it with one line: an unknown key names itself and the closest known one ("did you
+mean root_dir?"), or every known key when none is close; a value of the wrong type or outside its range names the key and
 the range. Sizes take an integer or a string with vLLM's suffixes (sizes.py). A key declared
 with `refused` is one kvtool knows (a vLLM key) but cannot honour: giving it at all is refused
 with that reason, before any value is checked, rather than silently ignored.
@@ -95,10 +95,12 @@ def parse_extra(connector: str, keys: Sequence[ExtraKey], extra: Mapping[str, ob
 
 
 def unknown_key_message(key: str, known: Sequence[str], spellings: Sequence[str] | None = None) -> str:
-    """`unknown key 'root_dri' (did you mean root_dir?); known keys: ...`."""
+    """`unknown key 'root_dri' (did you mean root_dir?)`, or with no close spelling
+    `unknown key 'x'; known keys: ...`."""
     close = difflib.get_close_matches(key, list(spellings or known), n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"unknown key {key[:80]!r}{hint}; known keys: {', '.join(known)}"
+    if close:
+        return f"unknown key {key[:80]!r} (did you mean {close[0]}?)"
+    return f"unknown key {key[:80]!r}; known keys: {', '.join(known)}"
 
 
 def check_value(key: ExtraKey, value: object, where: str) -> object:

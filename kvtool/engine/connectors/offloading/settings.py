@@ -71,6 +71,13 @@ OFFLOADING_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="tier_poll_interval_s", kind="float", default=DEFAULT_TIER_POLL_INTERVAL_S,
              doc="TieringOffloadingSpec: vLLM's pause between polls of peer-serving tiers"),
     ExtraKey(name="backpressure", kind="object", refused=BACKPRESSURE_REFUSAL),
+    ExtraKey(name="sync_load_budget_bytes", kind="size", default=0, low=0, high=MAX_SIZE_BYTES,
+             doc="vLLM's bytes of loads per step done inside the step; kvtool loads every hit inside the step "
+                 "that schedules it, whatever the budget"),
+    ExtraKey(name="canonical_layout", kind="bool", default=False,
+             doc="false only: kvtool's CPU tier keeps its own block-major layout"),
+    ExtraKey(name="self_describing_kv_events", kind="bool", default=False,
+             doc="false only: kvtool publishes vLLM's BlockStored / BlockRemoved events"),
 )
 TIERING_ONLY_KEYS = ("secondary_tiers", "tier_poll_interval_s")
 
@@ -107,6 +114,13 @@ class OffloadingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # locality those events carry (the fs tier's `locality`).
     disk_events: bool = True
     disk_locality: str | None = None
+    # vLLM 0.33 loads hits within this budget inside the step and the rest between steps
+    # (WAITING_FOR_REMOTE_KVS); kvtool loads every hit inside the step that schedules it, so
+    # the value is accepted and changes nothing.
+    sync_load_budget_bytes: int = 0
+    # vLLM 0.33's topology-free host layout and its richer KV events: false only (see parse_settings).
+    canonical_layout: bool = False
+    self_describing_kv_events: bool = False
 
 
 def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int | None = None) -> OffloadingSettings:
@@ -121,6 +135,12 @@ def parse_settings(extra: dict, engine_block_size: int, kv_bytes_per_block: int 
     values = parse_extra(CONNECTOR, OFFLOADING_KEYS, extra)
     s = OffloadingSettings(**values)  # type: ignore[arg-type]
     where = f"invalid {CONNECTOR} config"
+    if s.canonical_layout:
+        raise ConfigError(f"{where}: canonical_layout true is not supported: kvtool's CPU tier keeps its own "
+                          "block-major layout (vLLM's canonical host layout serves vLLM's own tiers)")
+    if s.self_describing_kv_events:
+        raise ConfigError(f"{where}: self_describing_kv_events true is not supported: kvtool publishes vLLM's "
+                          "standard BlockStored / BlockRemoved events")
     tiering = s.spec_name == TIERING_SPEC
     if not tiering:
         for key in TIERING_ONLY_KEYS:

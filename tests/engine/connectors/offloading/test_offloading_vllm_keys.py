@@ -96,9 +96,24 @@ def test_the_tiering_spec_maps_an_fs_tier_onto_the_disk_tier():
      "cache_policy_module_path is not supported: kvtool's eviction policies are its own lru and arc"),
     ({"store_threshold": -1}, "store_threshold must be an integer >= 0"),
     ({"max_tracker_size": 0}, "max_tracker_size must be an integer >= 1"),
+    ({"canonical_layout": True}, "canonical_layout true is not supported: kvtool's CPU tier keeps its own"),
+    ({"self_describing_kv_events": True}, "self_describing_kv_events true is not supported"),
+    ({"sync_load_budget_bytes": -1}, "sync_load_budget_bytes"),
 ])
 def test_what_kvtool_cannot_honour_is_refused_in_one_line(extra, needle):
     assert needle in refusal(extra)
+
+
+def test_vllm_033s_load_budget_layout_and_event_keys_run_unchanged_at_their_defaults():
+    """A vLLM 0.33 config that sets sync_load_budget_bytes (kvtool loads every hit inside its step,
+    so the value changes nothing), canonical_layout false and self_describing_kv_events false."""
+    extra = {"cpu_bytes_to_use": "1G", "sync_load_budget_bytes": "64m", "canonical_layout": False,
+             "self_describing_kv_events": False}
+    s = parse_settings(extra, 16)
+    assert (s.sync_load_budget_bytes, s.canonical_layout, s.self_describing_kv_events) == (64_000_000, False, False)
+    config = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                  "kv_connector_extra_config": extra}))
+    assert config.kv_connector_extra_config["sync_load_budget_bytes"] == "64m"
 
 
 def test_store_threshold_below_two_stores_on_the_first_offer():
