@@ -59,6 +59,8 @@ LMCACHE_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey(name="force_store_wait", kind="bool", default=False,
              doc="when that memory is full, the step waits and every chunk is stored (LMCache's extra_config "
                  "key); false, the default: the step's chunks from there on are not stored"),
+    ExtraKey(name="extra_config", kind="object", aliases=("lmcache.extra_config",),
+             doc="LMCache's extra_config object; kvtool reads its force_store_wait"),
     ExtraKey(name="valkey_enable_ttl", kind="bool", default=False, doc="valkey:// only: write every key with an expiry"),
     ExtraKey(name="valkey_ttl_sec", kind="int", low=1, high=10 * 365 * 86400,
              doc="that expiry in seconds; default 86400, as LMCache's"),
@@ -87,6 +89,7 @@ class LMCacheSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verify_payload: bool | None = None  # a digest object beside each chunk (payload_digest.py); None: on in blake3 mode
     max_local_cpu_size: float = 5.0  # GB of pinned buffers for chunks on their way to the store (store_staging.py)
     force_store_wait: bool = False  # those buffers full: wait (every chunk stored) instead of not storing
+    extra_config: dict | None = None  # LMCache's extra_config: its force_store_wait, folded into the field above
     valkey_enable_ttl: bool = False  # valkey:// only: write every key with an expiry
     valkey_ttl_sec: int | None = None  # that expiry; default 86400 s, as LMCache's
 
@@ -129,6 +132,8 @@ def parse_settings(
     """
     where = f"invalid {CONNECTOR} config"
     s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
+    if s.extra_config is not None:
+        s = msgspec.structs.replace(s, force_store_wait=_force_store_wait(s, where), extra_config=None)
     if s.remote_url:
         # Every scheme is checked here (store.py); lm:// also fills host and port.
         address = store_address(s.remote_url, save_unfull_chunk=s.save_unfull_chunk,
@@ -173,6 +178,23 @@ def parse_settings(
             raise ConfigError(f"{where}: verify_payload: {e}") from None
     return (msgspec.structs.replace(s, host=host, port=port, chunk_tokens=chunk, world_size=world_size,
                                     worker_id=worker_id, verify_payload=verify_payload), key_settings)
+
+
+def _force_store_wait(s: LMCacheSettings, where: str) -> bool:
+    """LMCache's extra_config as vLLM passes it (`lmcache.extra_config`): its force_store_wait, the
+    one key of it kvtool honours; any other is refused naming it. Given both ways, they must agree."""
+    inner = dict(s.extra_config or {})
+    wait = inner.pop("force_store_wait", None)
+    if inner:
+        raise ConfigError(f"{where}: extra_config: {', '.join(sorted(map(str, inner)))} not supported "
+                          "(kvtool reads force_store_wait there)")
+    if wait is None:
+        return s.force_store_wait
+    if not isinstance(wait, bool):
+        raise ConfigError(f"{where}: extra_config.force_store_wait must be true or false")
+    if wait != s.force_store_wait and s.force_store_wait:
+        raise ConfigError(f"{where}: force_store_wait is given twice, as true and in extra_config as false")
+    return wait
 
 
 def _rank_of(s: LMCacheSettings, tp: TPRank | None, where: str) -> tuple[int, int]:

@@ -42,3 +42,11 @@ def test_the_buffer_budget_is_lmcaches_max_local_cpu_size_in_whole_chunks():
     for bad in ({"max_local_cpu_size": 0}, {"max_local_cpu_size": "5g"}, {"force_store_wait": "yes"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_settings(bad, "m", "float32", 16)
+    # LMCache's own spelling, as vLLM passes its extra_config through
+    settings, _ = parse_settings({"lmcache.extra_config": {"force_store_wait": True}}, "m", "float32", 16)
+    assert settings.force_store_wait is True and settings.extra_config is None
+    for bad, needle in (({"lmcache.extra_config": {"enable_nixl_storage": True}}, "enable_nixl_storage not supported"),
+                        ({"lmcache.extra_config": {"force_store_wait": 1}}, "force_store_wait must be true or false"),
+                        ({"force_store_wait": True, "extra_config": {"force_store_wait": False}}, "given twice")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_settings(bad, "m", "float32", 16)
