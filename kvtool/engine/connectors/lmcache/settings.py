@@ -192,7 +192,7 @@ def _force_store_wait(s: LMCacheSettings, where: str) -> bool:
         return s.force_store_wait
     if not isinstance(wait, bool):
         raise ConfigError(f"{where}: extra_config.force_store_wait must be true or false")
-    if wait != s.force_store_wait and s.force_store_wait:
+    if s.force_store_wait and not wait:
         raise ConfigError(f"{where}: force_store_wait is given twice, as true and in extra_config as false")
     return wait
 

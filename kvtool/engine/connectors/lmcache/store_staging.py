@@ -69,11 +69,12 @@ class StoreStaging:
         hosts: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
         for blocks, n in chunks:
+            # Every buffer in flight: this chunk and those after it are neither gathered nor stored.
+            if not self.wait and not self._any_free():
+                break
             data = self.kv_pages.gather(blocks, "KV_2LTD", n)
             nbytes = data.numel() * data.element_size()
             buf = self._take(nbytes)
-            if buf is None and not self.wait:  # every buffer in flight: this chunk and those after it are not stored
-                break
             if buf is None:  # force_store_wait: the pageable copy, the step waiting
                 hosts.append(data.cpu())
                 continue
@@ -97,6 +98,11 @@ class StoreStaging:
         with self._lock:
             self._free.extend(staged.buffers)
         staged.buffers = []
+
+    def _any_free(self) -> bool:
+        """Whether `_take` would find a buffer (only `stage` takes them; releases only add)."""
+        with self._lock:
+            return bool(self._free) or self._allocated < self.max_buffers
 
     def _take(self, nbytes: int) -> torch.Tensor | None:
         if nbytes > self.chunk_bytes:
