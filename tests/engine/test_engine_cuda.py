@@ -227,8 +227,9 @@ def test_the_host_never_waits_for_a_steps_loads(cuda_engine):
     hits = engine.generate([p, p[:593]], GREEDY)
     assert [h.stats.num_external_loaded_tokens for h in hits] == [592, 592]
     assert waits and not any(waits)
+    before = len(waits)
     engine.flush_connector()
-    assert waits[-1] is True and transfers.loads == []
+    assert True in waits[before:] and transfers.loads == []
     assert engine.stats().cpu_tier.num_pinned == 0
 
 
