@@ -204,6 +204,16 @@ def end_session(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
         raise SystemExit(f"gpu-bench: after vLLM's arm, {held}")
 
 
+def gpu_processes() -> str:
+    """nvidia-smi's compute processes (pid, name, memory), for a vLLM arm that found the GPU taken."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(nvidia-smi: {e})"
+    return "; ".join(line.strip() for line in out.splitlines() if line.strip()) or "none"
+
+
 def release_gpu_memory() -> None:
     """Give the memory kvtool's closed engines left in torch's cache back to the driver: vLLM
     starts only if the share of the GPU it is told to take is free."""
@@ -215,7 +225,8 @@ def release_gpu_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        print(f"# GPU memory free before vLLM's arm: {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
+        print(f"# GPU memory free before vLLM's arm: {free / 2**30:.1f} of {total / 2**30:.1f} GiB; "
+              f"processes: {gpu_processes()}", flush=True)
 
 
 def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[dict, dict[str, list[dict]]]:
@@ -252,6 +263,7 @@ def run_vllm(section: str, preset: str, llm: dict, jobs: list[dict]) -> tuple[di
     if code != 0:
         tail = log_path.read_text().splitlines()[-40:]
         print("\n".join(line[:400] for line in tail), file=sys.stderr)
+        print(f"# processes on the GPU now: {gpu_processes()}", file=sys.stderr)
         how = f"ran past {VLLM_TIMEOUT_S}s" if code is None else f"exited {code}"
         raise SystemExit(f"gpu-bench: vLLM's {section} arm ({preset}) {how}; log {log_path}")
     startup, results = {}, {}
