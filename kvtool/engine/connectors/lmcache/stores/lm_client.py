@@ -10,11 +10,14 @@ flight outlives it.
 The server closes the socket on any bad input and keeps no per-connection state, so a failed
 request closes its connection and the next use of that pool slot reconnects.
 
-Threading: an `LMClient` is safe to share between threads. It holds `connections` sockets; each
-call checks one out for its whole request/reply exchange. `put_many` stripes items over all of
-them; `get_many_into` pipelines: each connection takes the next unclaimed item whenever its
-window of GET_WINDOW requests in flight has room, so a slow connection holds at most that many
-items of a wave while the others carry the rest.
+Threading: an `LMClient` is safe to share between threads. It holds two lanes of `connections`
+sockets each, one for reads (EXIST, GET, HEALTH) and one for writes (PUT), as the Redis stores
+hold GET and SET sets (resp_pool.py): a store of many chunks holds its connections until the
+last is confirmed, and a step's loads queued behind it would wait as long. Each call checks a
+socket of its lane out for its whole request/reply exchange. `put_many` stripes items over the
+write lane; `get_many_into` pipelines over the read lane: each connection takes the next
+unclaimed item whenever its window of GET_WINDOW requests in flight has room, so a slow
+connection holds at most that many items of a wave while the others carry the rest.
 """
 
 from __future__ import annotations
@@ -70,13 +73,28 @@ class _GetItem:
         self.retried = False
 
 
+class _Lane:
+    """The sockets of one direction (reads or writes) and the threads that drive them."""
+
+    def __init__(self, host: str, port: int, connections: int, name: str) -> None:
+        self.name = name
+        # FIFO: consecutive checkouts rotate through the pool, so stripes land on distinct sockets.
+        self.pool: queue.Queue[Connection] = queue.Queue()
+        self.all = [Connection(host, port) for _ in range(connections)]
+        for conn in self.all:
+            self.pool.put(conn)
+        self.executor: ThreadPoolExecutor | None = None
+        self.executor_lock = threading.Lock()
+
+
 class LMClient:
-    """A client of one LMCache `lm://` server, with a pool of `connections` sockets.
+    """A client of one LMCache `lm://` server, with `connections` sockets for reads and as many
+    for writes.
 
     Args:
         host, port: the server (see `parse_lm_url`).
-        connections: pool size; `put_many` splits its items into this many stripes, each on its
-            own connection and thread; `get_many_into` pipelines over all of them.
+        connections: the size of each lane; `put_many` splits its items into this many stripes,
+            each on its own connection and thread; `get_many_into` pipelines over as many.
         timeout_s: the deadline of one whole operation (connect, request, every reply byte).
         backoff_s: after a missed deadline, how long every call fails at once (0: never).
 
@@ -99,13 +117,8 @@ class LMClient:
         self.num_connections = connections
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
-        # FIFO: consecutive checkouts rotate through the pool, so stripes land on distinct sockets.
-        self._pool: queue.Queue[Connection] = queue.Queue()
-        self._all = [Connection(host, port) for _ in range(connections)]
-        for conn in self._all:
-            self._pool.put(conn)
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._reads = _Lane(host, port, connections, "lm-read")
+        self._writes = _Lane(host, port, connections, "lm-write")
         self._closed = False
         # time.monotonic() until which the peer counts as unhealthy (a missed deadline).
         self._unhealthy_until = 0.0
@@ -122,7 +135,7 @@ class LMClient:
 
     def num_open_connections(self) -> int:
         """How many pool sockets are connected right now (for stats and tests)."""
-        return sum(conn.sock is not None for conn in self._all)
+        return sum(conn.sock is not None for lane in (self._reads, self._writes) for conn in lane.all)
 
     @property
     def is_backing_off(self) -> bool:
@@ -141,11 +154,11 @@ class LMClient:
                 f"{self.url}: {what} not sent: the server missed a deadline; retrying in {left:.1f} s"
             )
 
-    def _checkout(self, deadline: float, what: str) -> Connection:
+    def _checkout(self, lane: _Lane, deadline: float, what: str) -> Connection:
         if self._closed:
             raise PeerError(f"{self.url}: client is closed")
         try:
-            return self._pool.get(timeout=max(0.0, deadline - time.monotonic()))
+            return lane.pool.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise PeerError(f"{self.url}: {what} failed: timed out waiting for a free connection") from None
 
@@ -178,15 +191,17 @@ class LMClient:
         raise AssertionError("unreachable")
 
     def _run(self, what: str, exchange: Callable[[Connection, float], T]) -> T:
+        """One exchange on a read connection."""
         self._refuse_if_backing_off(what)
-        conn = self._checkout(self._deadline(), what)
+        conn = self._checkout(self._reads, self._deadline(), what)
         try:
             return self._exchange(conn, what, exchange)
         finally:
-            self._pool.put(conn)
+            self._reads.pool.put(conn)
 
     def _striped(
         self,
+        lane: _Lane,
         items: Sequence[ItemT],
         one: Callable[[Connection, ItemT], ResultT],
         on_result: Callable[[int, ResultT], None] | None = None,
@@ -201,7 +216,7 @@ class LMClient:
         num_stripes = min(self.num_connections, len(items))
 
         def run_stripe(g: int) -> None:
-            conn = self._checkout(self._deadline(), "a transfer")
+            conn = self._checkout(lane, self._deadline(), "a transfer")
             try:
                 for i in range(g, len(items), num_stripes):
                     if before_item is not None:
@@ -210,23 +225,23 @@ class LMClient:
                     if on_result is not None:
                         on_result(i, results[i])
             finally:
-                self._pool.put(conn)
+                lane.pool.put(conn)
 
-        self._on_threads(num_stripes, run_stripe)
+        self._on_threads(lane, num_stripes, run_stripe)
         return results
 
-    def _on_threads(self, n: int, run: Callable[[int], None]) -> None:
+    def _on_threads(self, lane: _Lane, n: int, run: Callable[[int], None]) -> None:
         """run(0) ... run(n - 1), each on a pool thread (inline when n is 1); re-raises what they raise."""
         if n <= 1:
             if n:
                 run(0)
             return
-        with self._executor_lock:
+        with lane.executor_lock:
             if self._closed:
                 raise PeerError(f"{self.url}: client is closed")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.num_connections, thread_name_prefix="lm-wire")
-            executor = self._executor
+            if lane.executor is None:
+                lane.executor = ThreadPoolExecutor(self.num_connections, thread_name_prefix=lane.name)
+            executor = lane.executor
         for future in [executor.submit(run, g) for g in range(n)]:
             future.result()
 
@@ -281,11 +296,11 @@ class LMClient:
             PeerError: the transfer failed or the EXIST did not find the key.
         """
         self._refuse_if_backing_off("PUT")
-        conn = self._checkout(self._deadline(), "PUT")
+        conn = self._checkout(self._writes, self._deadline(), "PUT")
         try:
             self._put_on(conn, key, payload, fmt, dtype_code, shape)
         finally:
-            self._pool.put(conn)
+            self._writes.pool.put(conn)
 
     def _put_on(
         self, conn: Connection, key: str, payload: Buffer, fmt: int, dtype_code: int, shape: Sequence[int]
@@ -327,7 +342,7 @@ class LMClient:
                     logger.warning("%s", e)
                 return False
 
-        return self._striped(items, put_one)
+        return self._striped(self._writes, items, put_one)
 
     def get_into(self, key: str, buf: Buffer, expected: ChunkHeader | None = None) -> ChunkHeader | None:
         """GET `key` straight into `buf`; the chunk's header on a hit, None on a miss.
@@ -343,11 +358,11 @@ class LMClient:
             KVRefused: a well-formed reply that is not `expected`.
         """
         self._refuse_if_backing_off("GET")
-        conn = self._checkout(self._deadline(), "GET")
+        conn = self._checkout(self._reads, self._deadline(), "GET")
         try:
             return self._get_on(conn, key, buf, expected)
         finally:
-            self._pool.put(conn)
+            self._reads.pool.put(conn)
 
     def _get_on(
         self, conn: Connection, key: str, buf: Buffer, expected: ChunkHeader | None
@@ -411,16 +426,16 @@ class LMClient:
                 on_result(item.index, result)
 
         def run_connection(_: int) -> None:
-            conn = self._checkout(self._deadline(), "a transfer")
+            conn = self._checkout(self._reads, self._deadline(), "a transfer")
             try:
                 self._pipeline_gets(conn, claim, finish, before_item)
             except BaseException:
                 conn.drop()  # replies may still be on their way: the stream is unusable
                 raise
             finally:
-                self._pool.put(conn)
+                self._reads.pool.put(conn)
 
-        self._on_threads(min(self.num_connections, len(items)), run_connection)
+        self._on_threads(self._reads, min(self.num_connections, len(items)), run_connection)
         return results
 
     def _pipeline_gets(
@@ -508,14 +523,18 @@ class LMClient:
         a PeerError) instead of running out its deadline.
         """
         self._closed = True
-        for conn in self._all:
-            conn.shut()
-        with self._executor_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-        for conn in self._all:
-            conn.drop()
+        lanes = (self._reads, self._writes)
+        for lane in lanes:
+            for conn in lane.all:
+                conn.shut()
+        for lane in lanes:
+            with lane.executor_lock:
+                if lane.executor is not None:
+                    lane.executor.shutdown(wait=True)
+                    lane.executor = None
+        for lane in lanes:
+            for conn in lane.all:
+                conn.drop()
 
     def __enter__(self) -> LMClient:
         return self
