@@ -79,6 +79,10 @@ from kvtool.engine.models.shard_layout import TPRank
 
 logger = logging.getLogger("kvtool.lmcache")
 
+# Store staging buffers a CUDA engine pins when it starts (the rest of max_local_cpu_size as
+# first needed): four full steps' chunks at the default 2048-token step and 256-token chunks.
+EAGER_STAGING_BUFFERS = 32
+
 class ChunkJob(msgspec.Struct, kw_only=True):
     request_id: str
     key: str
@@ -342,6 +346,30 @@ class LMCacheWorker(WorkerHalf):
         self.verify_payload = settings.verify_payload
         self._secret = payload_secret() if settings.verify_payload else None
 
+    def register_kv_caches(self, kv_pages) -> None:
+        """On a CUDA engine, pin the GET ring and the first store staging buffers now, at start-up:
+        pinning takes milliseconds per buffer, which the first loads and stores would otherwise
+        add to their steps."""
+        super().register_kv_caches(kv_pages)
+        if self.pin:
+            if self.config.is_kv_consumer:
+                self._ensure_pool(self._ring_size())
+            if self.config.is_kv_producer:
+                self._staging_buffers().reserve(EAGER_STAGING_BUFFERS)
+
+    def _ring_size(self, num_loads: int | None = None) -> int:
+        """Host buffers a load streams through (at most; fewer for fewer chunks)."""
+        ring = max(16, 4 * self.settings.connections)
+        return ring if num_loads is None else min(num_loads, ring)
+
+    def _staging_buffers(self) -> StoreStaging:
+        if self._staging is None:
+            g = self.geometry
+            chunk_bytes = 2 * self.num_slots * self.chunk_tokens * g.kv_hidden_size * self.dtype.itemsize
+            self._staging = StoreStaging(self.kv_pages, chunk_bytes, int(self.settings.max_local_cpu_size * (1 << 30)),
+                                         wait=self.settings.force_store_wait)
+        return self._staging
+
     def _ensure_pool(self, n: int) -> None:
         """Host buffers [2, slots, chunk_tokens, H*D] for n chunks, allocated once and reused.
 
@@ -377,7 +405,7 @@ class LMCacheWorker(WorkerHalf):
         # thread scatters each chunk into the pages as soon as it has arrived; chunk i reuses
         # the buffer of chunk i - ring once that one is in the pages, so host memory is bounded.
         digests = self._fetch_digests(loads) if self.verify_payload else None
-        ring = min(len(loads), max(16, 4 * self.settings.connections))
+        ring = self._ring_size(len(loads))
         self._ensure_pool(ring)
         items = [(j.key, tensor_buffer(self._pool[i % ring]), None) for i, j in enumerate(loads)]
         scattered = [threading.Event() for _ in loads]
@@ -453,12 +481,7 @@ class LMCacheWorker(WorkerHalf):
         if not jobs:
             return
         t0 = time.perf_counter()
-        if self._staging is None:
-            g = self.geometry
-            chunk_bytes = 2 * self.num_slots * self.chunk_tokens * g.kv_hidden_size * self.dtype.itemsize
-            self._staging = StoreStaging(self.kv_pages, chunk_bytes, int(self.settings.max_local_cpu_size * (1 << 30)),
-                                         wait=self.settings.force_store_wait)
-        staged = self._staging.stage([(job.block_ids, job.end - job.start) for job in jobs])
+        staged = self._staging_buffers().stage([(job.block_ids, job.end - job.start) for job in jobs])
         with self._stats_lock:
             self.stats.store_s += time.perf_counter() - t0
             # Every staging buffer in flight: the chunks from there on are not stored (store_staging).

@@ -7,7 +7,9 @@ into pageable memory, through the driver's bounce buffers, while the step waits:
 staging buffer by a copy stream of its own, after its gather; the step goes on at once, and the
 PUT thread waits for the copies' event before it sends. A buffer goes back to the pool once
 its chunk was sent (or failed). The buffers hold at most `max_bytes` (LMCache's
-max_local_cpu_size, 5 GB by default), allocated as they are first needed. When every buffer is
+max_local_cpu_size, 5 GB by default); `reserve` pins the first ones in one allocation when the
+engine starts (pinning takes milliseconds per buffer, which a step must not pay), the rest are
+allocated as they are first needed. When every buffer is
 in flight (a store slower than the steps make chunks), the step's chunks from there on are not
 stored, as LMCache stores only the chunks its local CPU memory has room for ("Local cpu memory
 under pressure"): a slow store never stalls a step, and a chunk not stored is a miss later,
@@ -92,6 +94,16 @@ class StoreStaging:
             ready = torch.cuda.Event()
             ready.record(self._stream)
         return StagedChunks(hosts, ready, buffers)
+
+    def reserve(self, n: int) -> None:
+        """Pin up to n buffers now, in one host allocation (a CUDA engine; nothing on CPU)."""
+        n = min(n, self.max_buffers - self._allocated)
+        if self.device.type != "cuda" or n <= 0:
+            return
+        block = torch.empty(n * self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        with self._lock:
+            self._free.extend(block[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(n))
+            self._allocated += n
 
     def release(self, staged: StagedChunks) -> None:
         """Give a step's buffers back once its PUT has sent (or failed to send) them."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvtool.engine.connectors.config import parse_kv_transfer_config
+from kvtool.engine.connectors.lmcache.connector import EAGER_STAGING_BUFFERS
 from tests.support.port_process import port_process
 
 pytestmark = [
@@ -53,6 +54,10 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
         writer = LLMEngine(EngineParams(**base, enable_prefix_caching=False,
                                         kv_transfer_config=_lm(port, 4, "kv_producer")))
         try:
+            staging = writer.executor.worker.connector._staging
+            # A producer's first staging buffers pinned at start-up, its GET ring never.
+            assert staging._allocated == EAGER_STAGING_BUFFERS and all(b.is_pinned() for b in staging._free)
+            assert writer.executor.worker.connector._pool == []
             written = [writer.generate([p], sp)[0] for p in (head, full)]
             writer.executor.worker.connector.flush()
             assert [r.stats.num_external_loaded_tokens for r in written] == [0, 0]
@@ -65,6 +70,8 @@ def test_loads_through_the_ring_of_pinned_buffers_give_the_cold_bits(tmp_path):
                                         kv_transfer_config=_lm(port, 1, "kv_consumer")))
         try:
             worker = reader.executor.worker.connector
+            # The ring pinned when the engine started, before any load; a consumer stages nothing.
+            assert len(worker._pool) == 16 and worker._pool[0].is_pinned() and worker._staging is None
             first = reader.generate([head], sp)[0]
             assert first.stats.num_external_loaded_tokens == 4 * CHUNK
             # The prefix cache holds head's whole blocks, which end inside chunk 4: that chunk is
@@ -106,3 +113,13 @@ def test_stored_chunks_are_staged_in_pinned_buffers_reused_after_their_put():
                 assert staging.stage(chunks[2:]).hosts == []  # every buffer still in flight: nothing staged
             staging.release(staged)
         assert staging._allocated == 2
+    # Buffers reserved up front, in one allocation, are the ones the steps take.
+    staging = StoreStaging(pages, chunk_bytes, max_bytes=3 * chunk_bytes)
+    staging.reserve(5)
+    assert staging._allocated == 3 and all(b.is_pinned() for b in staging._free)
+    reserved = {b.data_ptr() for b in staging._free}
+    staged = staging.stage(chunks)
+    staged.wait()
+    assert len(staged.hosts) == 3 and {b.data_ptr() for b in staged.buffers} == reserved
+    for host, (blocks, n) in zip(staged.hosts, chunks):
+        assert torch.equal(host, pages.gather(blocks, "KV_2LTD", n).cpu())
