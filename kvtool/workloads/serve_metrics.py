@@ -13,7 +13,9 @@ Queue growth. waiting(t) is the number of requests that have arrived by t and ha
 token yet (queued in the engine, or held by the client under --max-concurrency). Over the
 arrival window [0, T] (T the last arrival), the queue grew when waiting averaged over the last
 fifth of the window (0.8T..T) exceeds its average over the middle fifth (0.4T..0.6T) by more
-than half, and by more than 2 requests. A load whose requests all arrive at once has no window:
+than half, and by more than 2 requests, or when it never emptied over the second half of the
+window (waiting(t) >= 1 at every point of 0.5T..T: the engine never caught up, which a queue
+that filled early and stayed full shows without growing late). A load whose requests all arrive at once has no window:
 its `grew` is None. The report keeps both averages, the backlog at the last arrival and the time
 the engine took to drain it, so that another rule can be applied to the same run.
 """
@@ -24,7 +26,8 @@ import msgspec
 
 from kvtool.workloads.figures import percentile, rate, to_ms
 
-QUEUE_RULE = ("queue grew: mean of waiting(t) over [0.8T, T] > mean over [0.4T, 0.6T] + max(2, half of it); "
+QUEUE_RULE = ("queue grew: mean of waiting(t) over [0.8T, T] > mean over [0.4T, 0.6T] + max(2, half of it), "
+              "or waiting(t) >= 1 at every point of [0.5T, T] (it never emptied); "
               "waiting(t) = requests arrived by t without a first token, T = the last arrival")
 _GRID_POINTS = 41
 
@@ -62,6 +65,7 @@ class QueueGrowth(msgspec.Struct, kw_only=True):
     grew: bool | None  # None: every request arrived at once
     waiting_mid: float | None  # mean waiting(t) over [0.4T, 0.6T]
     waiting_end: float | None  # mean waiting(t) over [0.8T, T]
+    waiting_min_late: int | None  # least waiting(t) over [0.5T, T] (0: the queue emptied)
     backlog_at_last_arrival: int  # waiting(T)
     max_waiting: int
     last_arrival_s: float  # T
@@ -121,15 +125,15 @@ def queue_growth(records: list[RequestTiming]) -> QueueGrowth:
                   last_arrival_s=round(last, 6), drain_s=round(max(finishes) - last, 6) if finishes else None,
                   max_send_lag_ms=to_ms(max(lags, default=0.0)))
     if last <= 0:
-        return QueueGrowth(grew=None, waiting_mid=None, waiting_end=None, **common)
+        return QueueGrowth(grew=None, waiting_mid=None, waiting_end=None, waiting_min_late=None, **common)
 
-    def mean_waiting(lo: float, hi: float) -> float:
-        grid = [lo + (hi - lo) * k / (_GRID_POINTS - 1) for k in range(_GRID_POINTS)]
-        return sum(waiting_at(records, t) for t in grid) / len(grid)
+    def waiting_over(lo: float, hi: float) -> list[int]:
+        return [waiting_at(records, lo + (hi - lo) * k / (_GRID_POINTS - 1)) for k in range(_GRID_POINTS)]
 
-    mid, end = mean_waiting(0.4 * last, 0.6 * last), mean_waiting(0.8 * last, last)
-    return QueueGrowth(grew=end > mid + max(2.0, 0.5 * mid), waiting_mid=round(mid, 3), waiting_end=round(end, 3),
-                       **common)
+    mid, end = (sum(w) / len(w) for w in (waiting_over(0.4 * last, 0.6 * last), waiting_over(0.8 * last, last)))
+    least = min(waiting_over(0.5 * last, last))
+    return QueueGrowth(grew=end > mid + max(2.0, 0.5 * mid) or least >= 1, waiting_mid=round(mid, 3),
+                       waiting_end=round(end, 3), waiting_min_late=least, **common)
 
 
 def run_figures(records: list[RequestTiming]) -> RunFigures:

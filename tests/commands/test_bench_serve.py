@@ -19,7 +19,7 @@ RUN_KEYS = {"arm", "engine", "load", "request_rate", "max_concurrency", "figures
             "num_outputs_differing", "vllm_stats", "requests"}
 FIGURE_KEYS = {"num_requests", "num_failed", "duration_s", "num_prompt_tokens", "num_output_tokens", "ttft", "tpot",
                "e2e", "output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "queue"}
-QUEUE_KEYS = {"grew", "waiting_mid", "waiting_end", "backlog_at_last_arrival", "max_waiting", "last_arrival_s",
+QUEUE_KEYS = {"grew", "waiting_mid", "waiting_end", "waiting_min_late", "backlog_at_last_arrival", "max_waiting", "last_arrival_s",
               "drain_s", "max_send_lag_ms"}
 
 

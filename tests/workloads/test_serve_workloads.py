@@ -143,6 +143,14 @@ def test_queue_growth_rule():
     growth = queue_growth(falling_behind)
     assert growth.grew is True and growth.waiting_end > growth.waiting_mid > 10
     assert growth.backlog_at_last_arrival == 50 and growth.drain_s == pytest.approx(9.98)
+    # A burst of 10 at the start, then arrivals at the rate they are served (one per 0.2 s): the
+    # queue is full early and never empties, though no longer at the end than in the middle.
+    arrivals = [0.01 * i for i in range(10)] + [0.1 + 0.2 * (i - 9) for i in range(10, 40)]
+    full_early = [_record(i, a, 0.2 * (i + 1), 0.2 * (i + 1) + 0.03) for i, a in enumerate(arrivals)]
+    growth = queue_growth(full_early)
+    assert growth.grew is True and growth.waiting_min_late >= 1
+    assert growth.waiting_end <= growth.waiting_mid + max(2.0, 0.5 * growth.waiting_mid)
+    assert queue_growth(steady).waiting_min_late == 0
     # All at once: no window to compare.
     assert queue_growth([_record(i, 0.0, 0.1 * i + 0.05, 0.1 * i + 0.08) for i in range(5)]).grew is None
 
