@@ -231,3 +231,20 @@ def test_quantising_inside_the_product_gives_the_same_bits(monkeypatch, n, k):
     monkeypatch.setattr(fp8_gemm, "FUSED_QUANTIZE_ROWS", 64)
     for m, expected in apart.items():
         assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), expected), m
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)])  # Qwen3-8B's o_proj and down_proj: K in 4 parts
+def test_a_split_k_gives_one_programs_bits_at_every_call(n, k):
+    """A decode step's product whose K is spread over parts, called again and again (fresh
+    partials buffers, the shared tile counters), gives every time the bits of the same rows in a
+    product of one program per tile, all finite."""
+    from kvtool.engine.kernels import fp8_gemm
+
+    assert fp8_gemm.k_split(n, k) == 4
+    w = weight(n, k, "block", seed=11)
+    x = torch.randn(64, k, device=DEV).bfloat16()
+    whole = fp8_gemm.fp8_mm(x, w)  # 64 rows: one program per tile, K never in parts
+    assert torch.isfinite(whole).all()
+    for _ in range(5):
+        for m in (1, 2, 3, 8):
+            assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), whole[:m]), m
