@@ -27,9 +27,9 @@ mma.sync that smaller tiles run rounds a group's dot otherwise, so no tile is sm
 cores read half the weight bytes of bf16 and run FP8 at twice bf16's rate, so both decode
 (bandwidth-bound) and prefill (compute-bound) gain.
 
-A weight whose column tiles would give a decode step a program or so per SM (`k_split`: Qwen3-8B's
-q/k/v, o_proj and down_proj) has each tile's K groups spread over a fixed number of programs at up
-to SPLIT_PARALLEL_ROWS rows: each writes its groups' products unscaled (float32), and the tile's
+With SPLIT_PROGRAMS set (off by default, see there), a weight whose column tiles would give a
+decode step a program or so per SM (`k_split`: Qwen3-8B's q/k/v, o_proj and down_proj) has each
+tile's K groups spread over a fixed number of programs at up to SPLIT_PARALLEL_ROWS rows: each writes its groups' products unscaled (float32), and the tile's
 last program to finish, counted by an atomic, folds them all in K order with the scales as above.
 A group's product is the same wherever it is computed, so the sum is the one a single program
 makes: K is never summed in parts.
@@ -198,8 +198,12 @@ def config_for(rows: int, n: int, num_sms: int, k: int) -> tuple[int, int, int, 
 # A weight whose column tiles at one row give fewer than about SPLIT_PROGRAMS programs (each of
 # MIN_BM rows and 32 columns) spreads each tile's K groups over parts of at least SPLIT_MIN_PART
 # columns in programs of their own (`k_split`) at a decode step's few rows, so its weights stream
-# through several programs per SM. The products are folded in K order all the same.
-SPLIT_PROGRAMS = 512
+# through several programs per SM. The products are folded in K order all the same. Off (0):
+# since the fold reads every group's product back, one program per tile is the faster at one
+# row for every weight that spread its K (H100, 2026-12-07, `gpu-bench.py fp8-kernels`, one row
+# of Qwen3-8B's block-wise projections: q/k/v 14.4 against 18.2 µs in 2 parts, o_proj 11.7
+# against 15.7 in 4, down_proj 36.8 against 39.8 in 4). 512 spreads them as before.
+SPLIT_PROGRAMS = 0
 SPLIT_MIN_PART = 1024
 # Products of up to this many rows spread K over parts. Each part writes its groups' products in
 # float32, rows x groups x N x 4 bytes that the folding program reads back: beside the weight's

@@ -121,9 +121,9 @@ def test_stacked_weights_give_each_parts_product(shapes):
 
 @pytest.mark.parametrize("n,k,strategy", [
     (24576, 4096, "block"),  # Qwen3-8B's gate/up: K whole
-    (4096, 12288, "block"),  # its down_proj: K over 4 programs at few rows
+    (4096, 12288, "block"),  # its down_proj: a long K
     (1000, 640, "channel"),  # ragged N, one scale per column
-    (6144, 4096, "tensor"),  # K over 2 programs at few rows, one scale per column
+    (6144, 4096, "tensor"),  # one scale per column
 ])
 def test_the_hopper_kernel_gives_the_triton_kernels_bits(monkeypatch, n, k, strategy):
     """From HOPPER_MIN_ROWS rows on Hopper `fp8_mm` runs the warp-specialised Gluon kernel (cuBLAS
@@ -173,8 +173,7 @@ def test_the_hopper_kernels_schedule_moves_work_in_time_never_its_bits(monkeypat
 def test_cublas_gives_the_kernels_bits_where_fp8_mm_runs_it(monkeypatch, n, k):
     """From CUBLAS_MIN_ROWS rows on Hopper a block-scaled weight runs cuBLAS's block-scaled FP8
     product (`torch._scaled_mm`): its rows are the Triton and the Gluon kernel's bits at every row
-    count from there, ragged ones included, and fewer rows (K spread over parts at the fewest)
-    give the same rows."""
+    count from there, ragged ones included, and fewer rows give the same rows."""
     from kvtool.engine.kernels import fp8_gemm
     from kvtool.engine.kernels.gluon import gluon_module
     from kvtool.engine.kernels.tiles import sm_count
@@ -234,12 +233,13 @@ def test_quantising_inside_the_product_gives_the_same_bits(monkeypatch, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)])  # Qwen3-8B's o_proj and down_proj: K in 4 parts
-def test_a_split_k_gives_one_programs_bits_at_every_call(n, k):
-    """A decode step's product whose K is spread over parts, called again and again (fresh
-    partials buffers, the shared tile counters), gives every time the bits of the same rows in a
-    product of one program per tile, all finite."""
+def test_a_split_k_gives_one_programs_bits_at_every_call(monkeypatch, n, k):
+    """A decode step's product whose K is spread over parts (SPLIT_PROGRAMS on), called again and
+    again (fresh partials buffers, the shared tile counters), gives every time the bits of the
+    same rows in a product of one program per tile, all finite."""
     from kvtool.engine.kernels import fp8_gemm
 
+    monkeypatch.setattr(fp8_gemm, "SPLIT_PROGRAMS", 512)
     assert fp8_gemm.k_split(n, k) == 4
     w = weight(n, k, "block", seed=11)
     x = torch.randn(64, k, device=DEV).bfloat16()

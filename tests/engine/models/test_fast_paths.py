@@ -239,15 +239,21 @@ def test_the_warm_up_reaches_every_split_launch(cuda_modules):
     assert reached == set().union(*(launches(r) for r in range(1, 4 * rig.WARM_UP_MAX_ROWS)))
 
 
-def test_an_fp8_weight_spreads_its_k_by_its_shape_alone(cuda_modules):
-    """FP8 `k_split`: the projections of a block-wise FP8 Qwen3-8B whose column tiles leave a
-    decode step with few programs (q/k/v, o_proj, down_proj) spread each tile's K groups over
-    programs of whole 128-column groups, at least SPLIT_MIN_PART wide; gate/up stays in one. The
-    warm-up rows reach every (tiles, parts, activations quantised inside) launch `fp8_mm` makes."""
+@pytest.mark.parametrize("programs", [0, 512])
+def test_an_fp8_weight_spreads_its_k_by_its_shape_alone(cuda_modules, monkeypatch, programs):
+    """FP8 `k_split`: by default (SPLIT_PROGRAMS 0) no weight spreads its K. With SPLIT_PROGRAMS
+    512, the projections of a block-wise FP8 Qwen3-8B whose column tiles leave a decode step with
+    few programs (q/k/v, o_proj, down_proj) spread each tile's K groups over programs of whole
+    128-column groups, at least SPLIT_MIN_PART wide; gate/up stays in one. Either way the warm-up
+    rows reach every (tiles, parts, activations quantised inside) launch `fp8_mm` makes."""
     from kvtool.engine.kernels import fp8_gemm
 
+    assert fp8_gemm.SPLIT_PROGRAMS == 0
+    monkeypatch.setattr(fp8_gemm, "SPLIT_PROGRAMS", programs)
     split = {(6144, 4096): 2, (4096, 4096): 4, (24576, 4096): 1, (4096, 12288): 4,  # Qwen3-8B
              (4096, 1024): 1, (384, 200): 1, (1000, 640): 1}
+    if not programs:
+        split = dict.fromkeys(split, 1)
     assert {shape: fp8_gemm.k_split(*shape) for shape in split} == split
     for (n, k), parts in split.items():
         assert parts == 1 or (k % (fp8_gemm.GROUP * parts) == 0 and k // parts >= fp8_gemm.SPLIT_MIN_PART)
