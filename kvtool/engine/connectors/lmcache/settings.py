@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
 
 import msgspec
 
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
+from kvtool.engine.connectors.lmcache.lmcache_config_keys import split_lmcache_keys
 from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings, check_request_tags
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
 from kvtool.engine.connectors.lmcache.stores.store import store_address
 from kvtool.engine.errors import ConfigError, InputError
 from kvtool.engine.models.shard_layout import TPRank
+
+logger = logging.getLogger("kvtool.lmcache")
 
 CONNECTOR = "LMCacheConnector"
 DEFAULT_HOST = "127.0.0.1"
@@ -109,8 +114,30 @@ def parse_hash_algo(extra: dict) -> str:
     """The key mode the extra config asks for: blake3 (kvtool's own), vllm (sha256_cbor too),
     builtin or sha256. Raises ConfigError (one line naming the key) as parse_settings does for
     an unknown key or a value outside its range."""
-    s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
+    s = _parse(extra, f"invalid {CONNECTOR} config")
     return "vllm" if s.hash_algo == "sha256_cbor" else s.hash_algo
+
+
+_noticed: set[str] = set()
+_noticed_lock = threading.Lock()
+
+
+def _parse(extra: dict, where: str) -> LMCacheSettings:
+    """The declared keys' values, after LMCache's own keys (lmcache_config_keys.py): each key
+    accepted without effect is logged once per process."""
+    ours, notices = split_lmcache_keys(extra, where)
+    s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, ours))  # type: ignore[arg-type]
+    if s.extra_config is not None:
+        wait, inner = _force_store_wait(s, where)
+        s = msgspec.structs.replace(s, force_store_wait=wait, extra_config=None)
+        notices += [f"lmcache.extra_config's {k} is LMCache's own setting and has no effect in kvtool" for k in inner]
+    for line in notices:
+        with _noticed_lock:
+            new = line not in _noticed
+            _noticed.add(line)
+        if new:
+            logger.warning("kv_connector_extra_config: %s", line)
+    return s
 
 
 def parse_settings(
@@ -131,9 +158,7 @@ def parse_settings(
     or a world_size / worker_id other than the engine's.
     """
     where = f"invalid {CONNECTOR} config"
-    s = LMCacheSettings(**parse_extra(CONNECTOR, LMCACHE_KEYS, extra))  # type: ignore[arg-type]
-    if s.extra_config is not None:
-        s = msgspec.structs.replace(s, force_store_wait=_force_store_wait(s, where), extra_config=None)
+    s = _parse(extra, where)
     if s.remote_url:
         # Every scheme is checked here (store.py); lm:// also fills host and port.
         address = store_address(s.remote_url, save_unfull_chunk=s.save_unfull_chunk,
@@ -180,21 +205,20 @@ def parse_settings(
                                     worker_id=worker_id, verify_payload=verify_payload), key_settings)
 
 
-def _force_store_wait(s: LMCacheSettings, where: str) -> bool:
+def _force_store_wait(s: LMCacheSettings, where: str) -> tuple[bool, list[str]]:
     """LMCache's extra_config as vLLM passes it (`lmcache.extra_config`): its force_store_wait, the
-    one key of it kvtool honours; any other is refused naming it. Given both ways, they must agree."""
+    one key of it kvtool honours, and the names of the others (LMCache's own, without effect
+    here). Given both ways, force_store_wait must agree."""
     inner = dict(s.extra_config or {})
     wait = inner.pop("force_store_wait", None)
-    if inner:
-        raise ConfigError(f"{where}: extra_config: {', '.join(sorted(map(str, inner)))} not supported "
-                          "(kvtool reads force_store_wait there)")
+    others = sorted(str(k)[:80] for k in inner)
     if wait is None:
-        return s.force_store_wait
+        return s.force_store_wait, others
     if not isinstance(wait, bool):
         raise ConfigError(f"{where}: extra_config.force_store_wait must be true or false")
     if s.force_store_wait and not wait:
         raise ConfigError(f"{where}: force_store_wait is given twice, as true and in extra_config as false")
-    return wait
+    return wait, others
 
 
 def _rank_of(s: LMCacheSettings, tp: TPRank | None, where: str) -> tuple[int, int]:
