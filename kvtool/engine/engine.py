@@ -27,6 +27,7 @@ from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_d
 from kvtool.engine.models import MODEL_CLASSES
 from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
 from kvtool.engine.params import EngineParams, SamplingParams
+from kvtool.engine.step_times import StepTimes
 from kvtool.engine.presets.default_model import resolve_model_path
 
 
@@ -123,6 +124,7 @@ class LLMEngine:
         )
         # Under async scheduling: the step the device is running (its message and its pending result).
         self._in_flight = None
+        self._step_times = StepTimes()
         self._ids = itertools.count()
         # Seeds for requests that bring none: reproducible from --seed, independent of batching.
         self._seeds = torch.Generator().manual_seed(params.seed)
@@ -255,24 +257,49 @@ class LLMEngine:
         Under async scheduling the step schedules and queues the next batch first, then waits for
         the batch already on the device and reports it: the host schedules while the device computes.
         """
+        times = self._step_times
+        times.steps += 1
+        t0 = time.perf_counter()
         if not self.async_scheduling:
             so = self._schedule()
-            outputs = self.scheduler.update_from_output(so, self.executor.execute(so))
-            return self._after_step(outputs)
+            t1 = time.perf_counter()
+            result = self.executor.execute(so)  # launches and waits: counted as the launch
+            t2 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(so, result)
+            t3 = time.perf_counter()
+            times.schedule_s, times.launch_s, times.update_s = (times.schedule_s + t1 - t0, times.launch_s + t2 - t1,
+                                                                times.update_s + t3 - t2)
+            return self._after_step(outputs, t3)
         previous, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():
             so = self._schedule()
+            t1 = time.perf_counter()
             self._in_flight = (so, self.executor.execute_async(so))
+            t2 = time.perf_counter()
+            times.schedule_s += t1 - t0
+            times.launch_s += t2 - t1
+            t0 = t2
         if previous is None:
             return []
         so, pending = previous
-        return self._after_step(self.scheduler.update_from_output(so, pending.result()))
+        result = pending.result()
+        t1 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, result)
+        t2 = time.perf_counter()
+        times.wait_s += t1 - t0
+        times.update_s += t2 - t1
+        return self._after_step(outputs, t2)
 
-    def _after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _after_step(self, outputs: list[RequestOutput], t0: float) -> list[RequestOutput]:
         outputs = self.output_processor.process(outputs)
         if self.kv_events is not None:
             self.kv_events.drain(self.scheduler.requests.values())
+        self._step_times.outputs_s += time.perf_counter() - t0
         return outputs
+
+    def step_times(self) -> StepTimes:
+        """Host seconds of the steps so far, by phase (step_times.py); a copy."""
+        return msgspec.structs.replace(self._step_times)
 
     def is_finished(self, request_id: str) -> bool:
         """True once the request has ended (or is unknown to the engine)."""

@@ -39,6 +39,7 @@ from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams
 from kvtool.engine.presets.default_model import resolve_model_path
+from kvtool.engine.step_times import StepTimes
 from kvtool.workloads.arms import Arm, hit_source
 from kvtool.workloads.figures import to_ms
 from kvtool.workloads.replay import arm_params
@@ -101,6 +102,8 @@ class ServeRun(msgspec.Struct, kw_only=True):
     outputs_equal: bool | None
     num_outputs_differing: int = 0
     vllm_stats: dict[str, int] | None = None
+    # kvtool's arms: the engine's host seconds by phase over the run (engine/step_times.py).
+    host: StepTimes | None = None
     requests: list[RequestRow] = []
 
 
@@ -282,7 +285,7 @@ class ServeBench:
                 records = runs.run(self.requests, self.arrivals[load.label],
                                    max_concurrency=self.settings.max_concurrency, salt=self._salt(arm.name, load.label),
                                    tick=tick)
-                self._add_run(arm.name, "kvtool", load, records, _kvtool_sources(records, source))
+                self._add_run(arm.name, "kvtool", load, records, _kvtool_sources(records, source), host=runs.last_host)
         finally:
             runs.close()
             # The engine's weights and pages must be unreferenced before the allocator can give
@@ -325,11 +328,11 @@ class ServeBench:
         return f"kvtool-bench-serve-{self.run_id}-{arm}-{load}"
 
     def _add_run(self, arm: str, engine: str, load: Load, records: list[RequestTiming], sources: PromptSources,
-                 vllm_stats: dict[str, int] | None = None) -> None:
+                 vllm_stats: dict[str, int] | None = None, host: StepTimes | None = None) -> None:
         figures = run_figures(records)
         run = ServeRun(arm=arm, engine=engine, load=load.label, request_rate=load.rate,
                        max_concurrency=self.settings.max_concurrency, figures=figures, sources=sources,
-                       outputs_equal=None, vllm_stats=vllm_stats, requests=_rows(records))
+                       outputs_equal=None, vllm_stats=vllm_stats, host=host, requests=_rows(records))
         failed = [r for r in records if r.error is not None]
         if failed:
             self.failures.append(f"arm {arm} at rate {load.label}: {len(failed)} request(s) failed; request "

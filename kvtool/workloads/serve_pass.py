@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.params import SamplingParams
+from kvtool.engine.step_times import StepTimes
 from kvtool.server.engine_loop import Accepted, EngineLoop, EventSink, Failed, Finished, GenerationJob, Rejected, Tokens
 from kvtool.workloads.serve_metrics import RequestTiming
 
@@ -44,15 +45,21 @@ class EngineRuns:
     """One engine behind its loop, for the runs of one arm; close() closes the engine."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
         self._loop = EngineLoop(engine)
         self._loop.start()
         self._num_runs = 0
+        # The engine's host seconds by phase over the last run (read between runs, when the loop idles).
+        self.last_host: StepTimes | None = None
 
     def run(self, requests: list[ServeRequest], arrivals: list[float], *, max_concurrency: int | None, salt: str,
             tick: Tick | None = None) -> list[RequestTiming]:
         """Send every request at its arrival time; one record per request, in trace order."""
         self._num_runs += 1
-        return asyncio.run(self._run_all(requests, arrivals, max_concurrency, salt, tick, f"run{self._num_runs}"))
+        before = self._engine.step_times()
+        records = asyncio.run(self._run_all(requests, arrivals, max_concurrency, salt, tick, f"run{self._num_runs}"))
+        self.last_host = self._engine.step_times().minus(before)
+        return records
 
     def close(self) -> None:
         self._loop.shutdown()

@@ -16,7 +16,7 @@ from kvtool.cli import app
 
 ENGINE = ["--preset", "tiny", "--load-format", "dummy", "--device", "cpu"]
 RUN_KEYS = {"arm", "engine", "load", "request_rate", "max_concurrency", "figures", "sources", "outputs_equal",
-            "num_outputs_differing", "vllm_stats", "requests"}
+            "num_outputs_differing", "vllm_stats", "host", "requests"}
 FIGURE_KEYS = {"num_requests", "num_failed", "duration_s", "num_prompt_tokens", "num_output_tokens", "ttft", "tpot",
                "e2e", "output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "queue"}
 QUEUE_KEYS = {"grew", "waiting_mid", "waiting_end", "waiting_min_late", "backlog_at_last_arrival", "max_waiting", "last_arrival_s",
@@ -91,6 +91,12 @@ def test_every_kvtool_arm_serves_the_trace_with_hits_and_equal_outputs(chat_trac
         assert s["device_cache"] > 0  # the shared system prompt, at least
         assert len(run["requests"]) == 24
         assert sum(r["num_loaded_tokens"] for r in run["requests"]) == s["connector"]
+        # The engine's host seconds by phase over the run: its own steps only (each run's engine
+        # steps at least once per output token of its longest request).
+        host = run["host"]
+        assert host["steps"] >= 4 and all(host[k] >= 0 for k in host)
+        assert host["schedule_s"] + host["launch_s"] + host["wait_s"] + host["update_s"] + host["outputs_s"] <= \
+            figures["duration_s"]
     # A burst has no arrival window to compare; Poisson arrivals do.
     assert runs[("cpu", "inf")]["figures"]["queue"]["grew"] is None
     assert runs[("cpu", "40")]["figures"]["queue"]["grew"] in (True, False)

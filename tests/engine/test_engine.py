@@ -129,3 +129,26 @@ def test_stats_are_a_snapshot(make_engine):
     assert (before.num_requests, before.num_generation_tokens) == (0, 0)
     assert (after.num_requests, after.num_generation_tokens) == (2, 24)
     assert after.num_free_blocks == after.num_blocks and after.num_running == after.num_waiting == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_times_count_every_step_by_phase(make_engine, async_scheduling):
+    """`step_times`: the host's seconds of the steps so far by phase, each step counted once,
+    the phases within the wall time they were taken in; `minus` gives a stretch's share."""
+    import time
+
+    engine = make_engine(async_scheduling=async_scheduling)
+    start = engine.step_times()
+    assert start.steps == 0 and start.launch_s == 0.0
+    t0 = time.perf_counter()
+    steps = 0
+    engine.add_request(prompts(1, lo=40, hi=41)[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    got = engine.step_times().minus(start)
+    assert got.steps == steps
+    phases = (got.schedule_s, got.launch_s, got.wait_s, got.update_s, got.outputs_s)
+    assert all(p >= 0 for p in phases) and got.launch_s > 0 and sum(phases) <= wall
+    assert (got.wait_s > 0) is async_scheduling  # without async scheduling the wait is inside the launch
