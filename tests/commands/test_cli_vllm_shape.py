@@ -15,7 +15,6 @@ import sys
 import click
 import httpx
 import openai
-import pytest
 import typer.main
 
 from kvtool.cli import app

@@ -99,7 +99,6 @@ def test_other_weights_under_the_same_model_name_miss(make_engine, store, other_
 def test_peer_mode_keys_cannot_tell_the_checkpoints_apart(make_engine, lmcache_server, other_checkpoint):
     """Why blake3 mode needs the digest: vllm-mode keys are the peer's, model name and tokens only."""
     store = {"host": lmcache_server.host, "port": lmcache_server.port}
-    p = prompt(7)
     a = make_engine(kv_transfer_config=store_config(store, hash_algo="vllm", chunk_tokens=16))
     b = make_engine(kv_transfer_config=store_config(store, hash_algo="vllm", chunk_tokens=16),
                     model=str(other_checkpoint))
