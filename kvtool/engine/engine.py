@@ -267,8 +267,9 @@ class LLMEngine:
             t2 = time.perf_counter()
             outputs = self.scheduler.update_from_output(so, result)
             t3 = time.perf_counter()
-            times.schedule_s, times.launch_s, times.update_s = (times.schedule_s + t1 - t0, times.launch_s + t2 - t1,
-                                                                times.update_s + t3 - t2)
+            times.schedule_s += t1 - t0
+            times.add_launch(t2 - t1, _mixed(so))
+            times.update_s += t3 - t2
             return self._after_step(outputs, t3)
         previous, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():
@@ -277,7 +278,7 @@ class LLMEngine:
             self._in_flight = (so, self.executor.execute_async(so))
             t2 = time.perf_counter()
             times.schedule_s += t1 - t0
-            times.launch_s += t2 - t1
+            times.add_launch(t2 - t1, _mixed(so))
             t0 = t2
         if previous is None:
             return []
@@ -408,3 +409,8 @@ class LLMEngine:
     @property
     def version(self) -> str:
         return __version__
+
+
+def _mixed(so) -> bool:
+    """Whether a step computes more than one token of some request (not a decode step)."""
+    return any(len(s.token_ids) > 1 for s in so.scheduled)

@@ -22,6 +22,17 @@ class StepTimes(msgspec.Struct, kw_only=True):
     wait_s: float = 0.0  # blocked until the device had finished the step before
     update_s: float = 0.0  # the scheduler taking that step's results
     outputs_s: float = 0.0  # the output processor (detokenisation, stop strings), KV events
+    # Of those steps, the ones that computed more than one token of some request (a prompt's
+    # chunk, a hit's tail) and their launch seconds: a decode step replays a CUDA graph, such
+    # a step queues every kernel from the host (the rest of launch_s is the decode steps').
+    mixed_steps: int = 0
+    mixed_launch_s: float = 0.0
+
+    def add_launch(self, seconds: float, mixed: bool) -> None:
+        self.launch_s += seconds
+        if mixed:
+            self.mixed_steps += 1
+            self.mixed_launch_s += seconds
 
     def minus(self, earlier: StepTimes) -> StepTimes:
         """The times between `earlier` and this one (a run's share of an engine's totals)."""

@@ -152,3 +152,5 @@ def test_step_times_count_every_step_by_phase(make_engine, async_scheduling):
     phases = (got.schedule_s, got.launch_s, got.wait_s, got.update_s, got.outputs_s)
     assert all(p >= 0 for p in phases) and got.launch_s > 0 and sum(phases) <= wall
     assert (got.wait_s > 0) is async_scheduling  # without async scheduling the wait is inside the launch
+    # The prompt's one chunk is the one step that computed more than a token of a request.
+    assert got.mixed_steps == 1 and 0 < got.mixed_launch_s <= got.launch_s
