@@ -25,9 +25,8 @@ from kvtool.engine.executor.executor import Executor, build_executor, check_para
 from kvtool.engine.kv.cache_size import kv_cache_layout, num_kv_blocks
 from kvtool.engine.kv.identity import engine_identity, resolve_device, resolve_dtype, resolve_kv_dtype
 from kvtool.engine.models import MODEL_CLASSES
-from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult
+from kvtool.engine.outputs import EngineStats, RequestOutput, RequestResult, StepTimes
 from kvtool.engine.params import EngineParams, SamplingParams
-from kvtool.engine.step_times import StepTimes
 from kvtool.engine.presets.default_model import resolve_model_path
 
 
@@ -299,7 +298,7 @@ class LLMEngine:
         return outputs
 
     def step_times(self) -> StepTimes:
-        """Host seconds of the steps so far, by phase (step_times.py); a copy."""
+        """Host seconds of the steps so far, by phase (`outputs.StepTimes`); a copy."""
         return msgspec.structs.replace(self._step_times)
 
     def is_finished(self, request_id: str) -> bool:

@@ -39,7 +39,7 @@ from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.identity import resolve_device, resolve_dtype
 from kvtool.engine.params import EngineParams
 from kvtool.engine.presets.default_model import resolve_model_path
-from kvtool.engine.step_times import StepTimes
+from kvtool.engine.outputs import StepTimes
 from kvtool.workloads.arms import Arm, hit_source
 from kvtool.workloads.figures import to_ms
 from kvtool.workloads.replay import arm_params
@@ -102,7 +102,7 @@ class ServeRun(msgspec.Struct, kw_only=True):
     outputs_equal: bool | None
     num_outputs_differing: int = 0
     vllm_stats: dict[str, int] | None = None
-    # kvtool's arms: the engine's host seconds by phase over the run (engine/step_times.py).
+    # kvtool's arms: the engine's host seconds by phase over the run (`outputs.StepTimes`).
     host: StepTimes | None = None
     requests: list[RequestRow] = []
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.params import SamplingParams
-from kvtool.engine.step_times import StepTimes
+from kvtool.engine.outputs import StepTimes
 from kvtool.server.engine_loop import Accepted, EngineLoop, EventSink, Failed, Finished, GenerationJob, Rejected, Tokens
 from kvtool.workloads.serve_metrics import RequestTiming
 
