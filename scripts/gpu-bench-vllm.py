@@ -132,8 +132,9 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     args = dict(LLM_DEFAULTS, model=os.path.abspath(spec["model"]), **spec["llm"])
-    free, total = torch.cuda.mem_get_info()
-    log(f"GPU memory free: {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        log(f"GPU memory free: {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
     log("LLM(", args, ")")
     t0 = time.perf_counter()
     llm = LLM(**args)
