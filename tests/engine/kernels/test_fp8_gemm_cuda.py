@@ -236,7 +236,8 @@ def test_quantising_inside_the_product_gives_the_same_bits(monkeypatch, n, k):
 def test_a_split_k_gives_one_programs_bits_at_every_call(monkeypatch, n, k):
     """A decode step's product whose K is spread over parts (SPLIT_PROGRAMS on), called again and
     again (fresh partials buffers, the shared tile counters), gives every time the bits of the
-    same rows in a product of one program per tile, all finite."""
+    same rows in a product of one program per tile, all finite; so do replays of it captured in
+    a CUDA graph, and eager calls after them (the counters are back at zero)."""
     from kvtool.engine.kernels import fp8_gemm
 
     monkeypatch.setattr(fp8_gemm, "SPLIT_PROGRAMS", 512)
@@ -248,3 +249,15 @@ def test_a_split_k_gives_one_programs_bits_at_every_call(monkeypatch, n, k):
     for _ in range(5):
         for m in (1, 2, 3, 8):
             assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), whole[:m]), m
+    xs = x[:1].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm.fp8_mm(xs, w)
+    for row in (0, 5, 63, 0):
+        xs.copy_(x[row : row + 1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, whole[row : row + 1]), row
+    for m in (1, 8):
+        assert torch.equal(fp8_gemm.fp8_mm(x[:m], w), whole[:m]), m
