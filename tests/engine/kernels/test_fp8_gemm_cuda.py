@@ -253,7 +253,8 @@ def test_a_split_k_gives_one_programs_bits_at_every_call(monkeypatch, n, k):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_gemm.fp8_mm(xs, w)
+        for _ in range(3):  # several products in one graph, as a benchmark's replays run them
+            out = fp8_gemm.fp8_mm(xs, w)
     for row in (0, 5, 63, 0):
         xs.copy_(x[row : row + 1])
         graph.replay()
