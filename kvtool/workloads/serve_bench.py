@@ -37,9 +37,9 @@ import msgspec
 from kvtool.engine.engine import LLMEngine
 from kvtool.engine.errors import ConfigError
 from kvtool.engine.kv.identity import resolve_device, resolve_dtype
+from kvtool.engine.outputs import StepTimes
 from kvtool.engine.params import EngineParams
 from kvtool.engine.presets.default_model import resolve_model_path
-from kvtool.engine.outputs import StepTimes
 from kvtool.workloads.arms import Arm, hit_source
 from kvtool.workloads.figures import to_ms
 from kvtool.workloads.replay import arm_params

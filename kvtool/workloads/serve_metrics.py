@@ -15,8 +15,8 @@ arrival window [0, T] (T the last arrival), the queue grew when waiting averaged
 fifth of the window (0.8T..T) exceeds its average over the middle fifth (0.4T..0.6T) by more
 than half, and by more than 2 requests, or when it never emptied over the second half of the
 window (waiting(t) >= 1 at every point of 0.5T..T: the engine never caught up, which a queue
-that filled early and stayed full shows without growing late). A load whose requests all arrive at once has no window:
-its `grew` is None. The report keeps both averages, the backlog at the last arrival and the time
+that filled early and stayed full shows without growing late). A load whose requests all
+arrive at once has no window: its `grew` is None. The report keeps both averages, the backlog at the last arrival and the time
 the engine took to drain it, so that another rule can be applied to the same run.
 """
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 from kvtool.engine.engine import LLMEngine
-from kvtool.engine.params import SamplingParams
 from kvtool.engine.outputs import StepTimes
+from kvtool.engine.params import SamplingParams
 from kvtool.server.engine_loop import Accepted, EngineLoop, EventSink, Failed, Finished, GenerationJob, Rejected, Tokens
 from kvtool.workloads.serve_metrics import RequestTiming
 

@@ -29,8 +29,9 @@ cores read half the weight bytes of bf16 and run FP8 at twice bf16's rate, so bo
 
 With SPLIT_PROGRAMS set (off by default, see there), a weight whose column tiles would give a
 decode step a program or so per SM (`k_split`: Qwen3-8B's q/k/v, o_proj and down_proj) has each
-tile's K groups spread over a fixed number of programs at up to SPLIT_PARALLEL_ROWS rows: each writes its groups' products unscaled (float32), and the tile's
-last program to finish, counted by an atomic, folds them all in K order with the scales as above.
+tile's K groups spread over a fixed number of programs at up to SPLIT_PARALLEL_ROWS rows: each
+writes its groups' products unscaled (float32), and the tile's last program to finish, counted
+by an atomic, folds them all in K order with the scales as above.
 A group's product is the same wherever it is computed, so the sum is the one a single program
 makes: K is never summed in parts.
 

@@ -74,7 +74,7 @@ from kvtool.engine.connectors.lmcache.stores.protocol import ChunkHeader, kv_chu
 from kvtool.engine.connectors.lmcache.stores.store import RemoteStore, StoreAddress, store_address
 from kvtool.engine.connectors.lmcache.stores.store_factory import open_store
 from kvtool.engine.errors import KVRefused, KVToolError, PeerError
-from kvtool.engine.kv.pages import KVGeometry
+from kvtool.engine.kv.pages import KVGeometry, KVPages
 from kvtool.engine.models.shard_layout import TPRank
 
 logger = logging.getLogger("kvtool.lmcache")
@@ -82,6 +82,7 @@ logger = logging.getLogger("kvtool.lmcache")
 # Store staging buffers a CUDA engine pins when it starts (the rest of max_local_cpu_size as
 # first needed): four full steps' chunks at the default 2048-token step and 256-token chunks.
 EAGER_STAGING_BUFFERS = 32
+
 
 class ChunkJob(msgspec.Struct, kw_only=True):
     request_id: str
@@ -346,7 +347,7 @@ class LMCacheWorker(WorkerHalf):
         self.verify_payload = settings.verify_payload
         self._secret = payload_secret() if settings.verify_payload else None
 
-    def register_kv_caches(self, kv_pages) -> None:
+    def register_kv_caches(self, kv_pages: KVPages) -> None:
         """On a CUDA engine, pin the GET ring and the first store staging buffers now, at start-up:
         pinning takes milliseconds per buffer, which the first loads and stores would otherwise
         add to their steps."""

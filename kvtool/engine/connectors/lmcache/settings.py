@@ -10,8 +10,8 @@ import threading
 import msgspec
 
 from kvtool.engine.connectors.extra_keys import ExtraKey, parse_extra
-from kvtool.engine.connectors.lmcache.lmcache_config_keys import split_lmcache_keys
 from kvtool.engine.connectors.lmcache.keys import HASH_ALGOS, LMCacheKeySettings, check_request_tags
+from kvtool.engine.connectors.lmcache.lmcache_config_keys import split_lmcache_keys
 from kvtool.engine.connectors.lmcache.payload_digest import DIGEST_TAG
 from kvtool.engine.connectors.lmcache.stores.store import store_address
 from kvtool.engine.errors import ConfigError, InputError

@@ -9,8 +9,8 @@ PUT thread waits for the copies' event before it sends. A buffer goes back to th
 its chunk was sent (or failed). The buffers hold at most `max_bytes` (LMCache's
 max_local_cpu_size, 5 GB by default); `reserve` pins the first ones in one allocation when the
 engine starts (pinning takes milliseconds per buffer, which a step must not pay), the rest are
-allocated as they are first needed. When every buffer is
-in flight (a store slower than the steps make chunks), the step's chunks from there on are not
+allocated as they are first needed. When every buffer is in flight (a store slower than the
+steps make chunks), the step's chunks from there on are not
 stored, as LMCache stores only the chunks its local CPU memory has room for ("Local cpu memory
 under pressure"): a slow store never stalls a step, and a chunk not stored is a miss later,
 nothing worse. With `wait` (LMCache's force_store_wait) they are copied the pageable way instead,

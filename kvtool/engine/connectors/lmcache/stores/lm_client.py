@@ -199,19 +199,8 @@ class LMClient:
         finally:
             self._reads.pool.put(conn)
 
-    def _striped(
-        self,
-        lane: _Lane,
-        items: Sequence[ItemT],
-        one: Callable[[Connection, ItemT], ResultT],
-        on_result: Callable[[int, ResultT], None] | None = None,
-        before_item: Callable[[int], None] | None = None,
-    ) -> list[ResultT]:
-        """`one(conn, item)` for every item: stripe g holds items g, g+N, ... on one connection.
-
-        `before_item(i)`, if given, is called from the stripe's thread before item i starts (it
-        may block, e.g. until the item's buffer is free); `on_result(i, result)` as each ends.
-        """
+    def _striped(self, lane: _Lane, items: Sequence[ItemT], one: Callable[[Connection, ItemT], ResultT]) -> list[ResultT]:
+        """`one(conn, item)` for every item: stripe g holds items g, g+N, ... on one connection of `lane`."""
         results: list[ResultT] = [None] * len(items)  # type: ignore[list-item]
         num_stripes = min(self.num_connections, len(items))
 
@@ -219,11 +208,7 @@ class LMClient:
             conn = self._checkout(lane, self._deadline(), "a transfer")
             try:
                 for i in range(g, len(items), num_stripes):
-                    if before_item is not None:
-                        before_item(i)
                     results[i] = one(conn, items[i])
-                    if on_result is not None:
-                        on_result(i, results[i])
             finally:
                 lane.pool.put(conn)
 
